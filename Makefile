@@ -1,0 +1,33 @@
+# hvd_resilient: `make install`, `make test`, `make demo`. See README.md.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install test test-fast lint demo bench chaos clean
+
+$(STAMP): pyproject.toml scripts/install.sh
+	bash scripts/install.sh
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# The one test command (README and .ci/run call exactly this).
+test: $(STAMP)
+	$(PY) -m ruff check hvd_resilient discovery tests examples bench
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(PY) -m ruff check hvd_resilient discovery tests examples bench
+
+demo: $(STAMP)
+	$(VENV)/bin/hvd-resilient demo
+
+bench: $(STAMP)
+	$(PY) bench/checkpoint_bench.py
+
+clean:
+	rm -rf runs .pytest_cache .ruff_cache

@@ -1,0 +1,31 @@
+"""Fault-tolerant distributed PyTorch training on Horovod Elastic, MPI and torchrun.
+
+Heavy modules (torch, horovod, boto3) are imported on first use of the names below, so that
+`hvd-resilient ckpt ...`, the discovery scripts and config validation start fast and work on
+machines without Horovod.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "TrainConfig": "hvd_resilient.config",
+    "ConfigError": "hvd_resilient.errors",
+    "ElasticDataSampler": "hvd_resilient.sampler",
+    "ElasticState": "hvd_resilient.state",
+    "run": "hvd_resilient.elastic",
+    "Trainer": "hvd_resilient.trainer",
+    "EventLog": "hvd_resilient.events",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'hvd_resilient' has no attribute {name!r}")

@@ -1,0 +1,43 @@
+"""`hvd-resilient`: the operator's command (demo, checkpoints, and more as they land)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hvd_resilient.errors import exit_on_error
+
+
+def _ckpt(argv: list[str]) -> int:
+    from hvd_resilient.checkpoint.cli import main
+
+    return main(argv)
+
+
+def _demo(argv: list[str]) -> int:
+    from hvd_resilient.demo import main
+
+    return main(argv)
+
+
+COMMANDS = {
+    "demo": (_demo, "train the digits example elastically on this machine"),
+    "ckpt": (_ckpt, "list | show | verify | prune durable checkpoints at a URL"),
+}
+
+
+@exit_on_error
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        parser = argparse.ArgumentParser(prog="hvd-resilient")
+        parser.add_argument("command", choices=sorted(COMMANDS),
+                            help="; ".join(f"{k}: {v[1]}" for k, v in COMMANDS.items()))
+        parser.parse_args(argv[:1] or ["--help"])
+        return 2
+    fn, _ = COMMANDS[argv[0]]
+    return int(fn(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""Durable checkpoints of an ElasticState: what survives the loss of the whole job.
+
+Only rank 0 talks to the store. A save is one collective (every rank's random streams are
+gathered, since a bit-identical resume needs them all), then rank 0 copies the tensors to host
+memory inside the step and hands the copy to a background writer: the other ranks never wait
+for S3, and rank 0 waits only for the copy.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import horovod.torch as hvd
+
+from hvd_resilient import rng
+from hvd_resilient.checkpoint.manager import CheckpointManager
+from hvd_resilient.checkpoint.serialize import (
+    check_state_dict_keys,
+    from_bytes,
+    snapshot_state_dict,
+)
+from hvd_resilient.checkpoint.writer import AsyncCheckpointWriter
+from hvd_resilient.config import TrainConfig
+from hvd_resilient.errors import ResumeError
+from hvd_resilient.events import EventLog
+from hvd_resilient.log import get
+from hvd_resilient.state import ElasticState
+
+log = get("durable")
+STATE_FILE = "state.pt"
+
+
+class DurableCheckpoints:
+    def __init__(self, config: TrainConfig, state: ElasticState, events: EventLog) -> None:
+        self.config = config
+        self.state = state
+        self.events = events
+        self._manager: CheckpointManager | None = None
+        self._writer: AsyncCheckpointWriter | None = None
+        self.last_saved_step = -1
+
+    def _emit(self, name: str, fields: dict[str, Any]) -> None:
+        self.events.emit(name, **fields)
+
+    @property
+    def manager(self) -> CheckpointManager:
+        if self._manager is None:
+            self._manager = CheckpointManager(
+                self.config.checkpoint_url, keep_last=self.config.keep_last,
+                keep_every=self.config.keep_every, on_event=self._emit,
+            )
+        return self._manager
+
+    @property
+    def writer(self) -> AsyncCheckpointWriter:
+        if self._writer is None:
+            self._writer = AsyncCheckpointWriter(self.manager, on_event=self._emit)
+        return self._writer
+
+    # -- resume ----------------------------------------------------------------------------
+    def resume(self) -> int | None:
+        """Rank 0: loads the newest verified checkpoint into the state. No collective here:
+        a worker that joins later runs this code too, while the others wait in sync."""
+        found = self.manager.load_latest()
+        if found is None:
+            log.info("no checkpoint at %s: starting from scratch", self.config.checkpoint_url)
+            return None
+        info, files = found
+        sd = from_bytes(files[STATE_FILE])
+        expected = set(self.state.model.state_dict())
+        try:
+            check_state_dict_keys(expected, set(sd["model"]))
+        except Exception as e:
+            raise ResumeError(f"checkpoint {self.config.checkpoint_url} step {info.step}: {e}") \
+                from None
+        self.state.load_checkpoint_state(sd)
+        self.last_saved_step = self.state.step
+        self.events.emit("resume", from_step=self.state.step, epoch=self.state.epoch,
+                         saved_world_size=info.world_size)
+        log.info("resumed from checkpoint step %d (epoch %d, saved at world size %d)",
+                 self.state.step, self.state.epoch, info.world_size)
+        return self.state.step
+
+    # -- save --------------------------------------------------------------------------------
+    def due(self) -> bool:
+        every, step = self.config.checkpoint_every, self.state.step
+        return every > 0 and step % every == 0 and step != self.last_saved_step
+
+    def save(self, *, blocking: bool = False) -> None:
+        """Collective: every rank must call it at the same step."""
+        t0 = time.perf_counter()
+        streams = hvd.allgather_object(rng.capture())
+        self.last_saved_step = self.state.step
+        if hvd.rank() != 0:
+            return
+        snapshot = {STATE_FILE: snapshot_state_dict(self.state.checkpoint_state(streams))}
+        kwargs = dict(step=self.state.step, epoch=self.state.epoch, world_size=hvd.size(),
+                      payload=snapshot, run_id=self.config.run_id)
+        if blocking:
+            self.writer.save_sync(**kwargs, timeout=self.config.grace_seconds)
+        else:
+            self.writer.submit(**kwargs, stall_seconds=time.perf_counter() - t0)
+
+    def close(self, timeout: float | None = None) -> None:
+        if self._writer is not None:
+            self._writer.close(timeout)

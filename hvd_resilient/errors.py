@@ -1,0 +1,37 @@
+"""Errors a user or operator meets, each printed as one line by the CLI."""
+
+from __future__ import annotations
+
+
+class HvdResilientError(Exception):
+    """Base class: the CLI prints `str(err)` as one line and exits non-zero, no traceback."""
+
+    exit_code = 2
+
+
+class ConfigError(HvdResilientError):
+    """A configuration value is wrong; raised before any worker trains."""
+
+
+class LaunchError(HvdResilientError):
+    """A launcher is missing or cannot start the job (a restart would not help)."""
+
+
+class ResumeError(HvdResilientError):
+    """A durable checkpoint cannot be applied to this model (a restart would not help)."""
+
+
+def exit_on_error(main):  # type: ignore[no-untyped-def]
+    """Wraps a main(): our own errors become one line on stderr and their exit code."""
+    import functools
+    import sys
+
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+        try:
+            return main(*args, **kwargs)
+        except HvdResilientError as e:
+            print(f"hvd-resilient: error: {e}", file=sys.stderr)
+            raise SystemExit(e.exit_code) from None
+
+    return wrapper

@@ -1,0 +1,94 @@
+"""The JSONL event log: the one record of what a run went through.
+
+Every rank that has something to say appends to the same file (a shared filesystem across
+hosts). Each event is one `os.write` of one line to a file opened with O_APPEND, so lines from
+different processes never interleave; a reader skips a torn last line (a process killed
+mid-write) instead of failing. Benchmarks and `hvd-resilient report` read only this file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+# Keys that must never reach the log, whatever a caller passes.
+_SECRET_HINTS = ("secret", "password", "token", "credential", "access_key", "session_key")
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {
+            k: ("***" if any(h in str(k).lower() for h in _SECRET_HINTS) else _clean(v))
+            for k, v in value.items()
+        }
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+class EventLog:
+    """Appends events with the fixed keys `ts`, `event`, `rank`, `size`, `step`."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None,
+        rank: Callable[[], int] | int = 0,
+        size: Callable[[], int] | int = 1,
+        step: Callable[[], int] | int = 0,
+    ) -> None:
+        self.path = Path(path) if path else None
+        self._rank = rank
+        self._size = size
+        self._step = step
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    @staticmethod
+    def _value(v: Callable[[], int] | int) -> int:
+        try:
+            return int(v() if callable(v) else v)
+        except Exception:  # a size() before init or after shutdown must not break logging
+            return -1
+
+    def emit(self, event: str, **fields: Any) -> dict[str, Any]:
+        record: dict[str, Any] = {
+            "ts": time.time(),
+            "event": event,
+            "rank": self._value(self._rank),
+            "size": self._value(self._size),
+            "step": self._value(self._step),
+        }
+        record.update(_clean(fields))
+        if self.path is not None:
+            line = (json.dumps(record, separators=(",", ":"), default=str) + "\n").encode()
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line)
+            finally:
+                os.close(fd)
+        return record
+
+
+def read_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    """Yields every well-formed event; torn or foreign lines are skipped, never raised."""
+    try:
+        fh = open(path, "rb")
+    except FileNotFoundError:
+        return
+    with fh:
+        for raw in fh:
+            if not raw.endswith(b"\n"):
+                break  # a torn last line: the writer died mid-write or is writing now
+            try:
+                rec = json.loads(raw)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and "event" in rec and "ts" in rec:
+                yield rec

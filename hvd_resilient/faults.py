@@ -1,0 +1,69 @@
+"""Fault injection for tests, chaos runs and the recovery benchmarks.
+
+A plan comes from one environment variable, read once by the entry point and passed down:
+`HVD_RESILIENT_FAULT="kill:rank=1:step=50"` (also `raise:` for a Python exception and
+`abort:` for an out-of-memory-style abort). Each fault fires once per run: a marker file in the
+run folder remembers it, so the worker that refills the slot does not fire it again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+from hvd_resilient.errors import ConfigError
+
+ENV = "HVD_RESILIENT_FAULT"
+KINDS = ("kill", "raise", "abort")
+
+
+class InjectedFault(RuntimeError):
+    """Raised by a `raise:` fault; not caught by the library, so the worker dies of it."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    rank: int
+    step: int
+
+
+class FaultPlan:
+    def __init__(self, faults: list[Fault], run_dir: str) -> None:
+        self.faults = faults
+        self.run_dir = Path(run_dir)
+
+    @classmethod
+    def parse(cls, spec: str | None, run_dir: str) -> FaultPlan:
+        faults = []
+        for item in filter(None, (s.strip() for s in (spec or "").split(","))):
+            kind, *kv = item.split(":")
+            fields = dict(p.split("=", 1) for p in kv if "=" in p)
+            try:
+                if kind not in KINDS:
+                    raise ValueError(kind)
+                faults.append(Fault(kind, int(fields["rank"]), int(fields["step"])))
+            except (KeyError, ValueError):
+                raise ConfigError(
+                    f"{ENV}: cannot parse {item!r}; use KIND:rank=R:step=S with KIND one of "
+                    f"{', '.join(KINDS)}"
+                ) from None
+        return cls(faults, run_dir)
+
+    def maybe_fire(self, rank: int, step: int) -> None:
+        for i, f in enumerate(self.faults):
+            if f.rank != rank or f.step != step:
+                continue
+            marker = self.run_dir / f".fault-{i}-{f.kind}-r{f.rank}-s{f.step}"
+            try:
+                fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                continue
+            os.close(fd)
+            if f.kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif f.kind == "abort":
+                os.abort()
+            raise InjectedFault(f"injected fault at rank {rank} step {step}")

@@ -1,0 +1,1 @@
+"""Command lines for the launchers (horovodrun, mpirun, torchrun) and the restart supervisor."""

@@ -1,0 +1,49 @@
+"""Rank-aware logging: rank 0 speaks, other ranks only on trouble.
+
+Nothing here runs on import; the entry point (trainer, CLI) calls `setup` once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+_FORMAT = "%(asctime)s [rank %(rank)s] %(levelname)s %(name)s: %(message)s"
+
+
+class _RankFilter(logging.Filter):
+    def __init__(self, rank_fn) -> None:
+        super().__init__()
+        self._rank_fn = rank_fn
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = self._rank_fn()
+        return True
+
+
+_handler: logging.Handler | None = None
+
+
+def setup(rank_fn=lambda: os.environ.get("HOROVOD_RANK", "?"), level: str | None = None) -> None:
+    """Installs one handler on the `hvd_resilient` logger; rank != 0 logs WARNING and above."""
+    global _handler
+    logger = logging.getLogger("hvd_resilient")
+    if _handler is not None:
+        logger.removeHandler(_handler)
+    _handler = logging.StreamHandler(sys.stderr)
+    _handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%H:%M:%S"))
+    _handler.addFilter(_RankFilter(rank_fn))
+    logger.addHandler(_handler)
+    logger.propagate = False
+    if level is None:
+        level = os.environ.get("HVD_RESILIENT_LOG_LEVEL", "INFO")
+    try:
+        rank = int(rank_fn())
+    except (TypeError, ValueError):
+        rank = 0
+    logger.setLevel(level if rank == 0 else max(logging.WARNING, logging.getLevelName(level)))
+
+
+def get(name: str) -> logging.Logger:
+    return logging.getLogger(f"hvd_resilient.{name}")

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# Installs everything hvd_resilient and its tests need, on a fresh Debian 12 machine:
+# Open MPI + sshd + iproute2 (apt), a .venv with torch 2.13.0, Horovod 0.28.1 built from its
+# sdist with the C++17 patch (cached as a wheel outside the work tree), mpi4py, boto3,
+# SeaweedFS and the test tools. Idempotent: a second run takes well under a minute.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${VENV:-$ROOT/.venv}"
+PY="${PYTHON:-python3}"
+HOROVOD_VERSION="0.28.1"
+TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
+CACHE="${HVD_RESILIENT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvd_resilient}"
+log() { printf '[install] %s\n' "$*" >&2; }
+
+# ---- system packages -------------------------------------------------------------------
+need_apt=()
+command -v mpirun >/dev/null 2>&1 || need_apt+=(openmpi-bin)
+[ -e /usr/include/x86_64-linux-gnu/openmpi/mpi.h ] || [ -n "$(ls /usr/lib/*/openmpi/include/mpi.h 2>/dev/null)" ] || need_apt+=(libopenmpi-dev)
+command -v sshd >/dev/null 2>&1 || [ -x /usr/sbin/sshd ] || need_apt+=(openssh-server openssh-client)
+command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
+command -v tc >/dev/null 2>&1 || need_apt+=(iproute2)
+command -v cmake >/dev/null 2>&1 || need_apt+=(cmake)
+command -v g++ >/dev/null 2>&1 || need_apt+=(g++)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  if [ "$(id -u)" != 0 ]; then
+    log "missing system packages: ${need_apt[*]}; run: sudo apt-get install -y ${need_apt[*]}"; exit 1
+  fi
+  log "apt-get install ${need_apt[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+fi
+
+# ---- virtual environment -------------------------------------------------------------
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating $VENV"
+  "$PY" -m venv "$VENV"
+fi
+VPY="$VENV/bin/python"
+pip_q() { "$VPY" -m pip install -q --disable-pip-version-check "$@"; }
+
+have_torch="$("$VPY" -c 'import torch,sys; sys.stdout.write(torch.__version__.split("+")[0])' 2>/dev/null || true)"
+if [ "$have_torch" != "$TORCH_VERSION" ]; then
+  log "installing torch==$TORCH_VERSION"
+  # On this project's CPU machines a CPU wheel lies in pip's find-links; on a CUDA machine
+  # the index's default Linux build is the CUDA one.
+  pip_q "torch==$TORCH_VERSION"
+fi
+pip_q numpy cloudpickle psutil pyyaml packaging cffi wheel setuptools
+
+# ---- Horovod (built once, cached as a wheel keyed by versions) -----------------------
+TV="$("$VPY" -c 'import torch; print(torch.__version__.replace("+","_"))')"
+PV="$("$VPY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')"
+CUDA_TAG="cpu"; command -v nvcc >/dev/null 2>&1 && command -v nvidia-smi >/dev/null 2>&1 && CUDA_TAG="cuda"
+KEY="horovod-$HOROVOD_VERSION-torch$TV-$PV-$CUDA_TAG"
+WHEEL_DIR="$CACHE/wheels/$KEY"
+if ! "$VPY" -c 'import horovod.torch' >/dev/null 2>&1; then
+  if [ -z "$(ls "$WHEEL_DIR"/horovod-*.whl 2>/dev/null)" ]; then
+    log "building Horovod $HOROVOD_VERSION for torch $TV (about 8 minutes on 2 cores; cached in $WHEEL_DIR)"
+    build="$(mktemp -d)"
+    trap 'rm -rf "$build"' EXIT
+    "$VPY" -m pip download -q --no-deps --no-binary :all: -d "$build" "horovod==$HOROVOD_VERSION"
+    tar -xzf "$build"/horovod-*.tar.gz -C "$build"
+    src="$(ls -d "$build"/horovod-*/ | head -1)"
+    # torch >= 2.1 headers need C++17; Horovod 0.28.1 asks for C++14 (fixed upstream, unreleased).
+    sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
+    grep -q 'CMAKE_CXX_STANDARD 17' "$src/horovod/torch/CMakeLists.txt" || { log "C++17 patch did not apply"; exit 1; }
+    gpu_env=()
+    [ "$CUDA_TAG" = cuda ] && gpu_env=(HOROVOD_GPU_OPERATIONS=NCCL)
+    (cd "$src" && env HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
+        HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 HOROVOD_CPU_OPERATIONS=gloo MAKEFLAGS="-j$(nproc)" \
+        "${gpu_env[@]}" "$VPY" -m pip wheel -q --no-build-isolation --no-deps --no-cache-dir -w "$build/out" .)
+    mkdir -p "$WHEEL_DIR.tmp"
+    cp "$build"/out/horovod-*.whl "$WHEEL_DIR.tmp/"
+    rm -rf "$WHEEL_DIR"; mv "$WHEEL_DIR.tmp" "$WHEEL_DIR"
+  fi
+  log "installing Horovod from $WHEEL_DIR"
+  pip_q --no-deps "$WHEEL_DIR"/horovod-*.whl
+fi
+
+# ---- the project and the rest ----------------------------------------------------------
+pip_q -e "$ROOT[test]"
+
+# ---- checks ----------------------------------------------------------------------------
+check="$("$VENV/bin/horovodrun" --check-build)"
+echo "$check" | grep -q '\[X\] PyTorch' || { log "Horovod was built without PyTorch:"; echo "$check" >&2; exit 1; }
+echo "$check" | grep -q '\[X\] Gloo' || { log "Horovod was built without Gloo:"; echo "$check" >&2; exit 1; }
+"$VPY" -c 'import mpi4py, boto3, horovod.torch' || { log "imports failed"; exit 1; }
+log "ok: $("$VPY" -c 'import torch,horovod; print("torch", torch.__version__, "horovod", horovod.__version__)')"

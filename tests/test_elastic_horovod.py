@@ -1,0 +1,148 @@
+"""Real `horovodrun` elastic jobs on this machine (Gloo over loopback).
+
+`localhost` and `127.0.0.1` count as two hosts, both started without ssh; so a killed worker
+costs its host a blacklist cooldown, not the whole job.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from jobs import (
+    PYTHON,
+    ROOT,
+    events,
+    horovodrun_elastic,
+    set_hosts,
+    wait_for,
+    write_discovery,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+JOB = str(ROOT / "tests" / "scripts" / "elastic_job.py")
+DIGITS = str(ROOT / "examples" / "digits.py")
+
+
+def commits(run: Path) -> list[dict]:
+    return [e for e in events(run / "events.jsonl") if e["event"] == "commit"]
+
+
+def sizes_seen(run: Path) -> list[int]:
+    out: list[int] = []
+    for e in commits(run):
+        if not out or out[-1] != e["size"]:
+            out.append(e["size"])
+    return out
+
+
+def final_digests(run: Path) -> dict[int, str]:
+    done = [e for e in events(run / "events.jsonl") if e["event"] == "done"]
+    assert done, "no rank reported done"
+    return {e["rank"]: e["params_sha256"] for e in done}
+
+
+def assert_exactly_once(run: Path, n_samples: int) -> int:
+    """Every completed epoch used each sample id exactly once (committed work only)."""
+    per_epoch: dict[int, list[int]] = defaultdict(list)
+    for line in (run / "samples.jsonl").read_text().splitlines():
+        for epoch, ids in json.loads(line)["ids"]:
+            per_epoch[epoch].extend(ids)
+    complete = [e for e in per_epoch if e < max(per_epoch)]
+    assert complete, f"no epoch completed (epochs seen: {sorted(per_epoch)})"
+    for e in complete:
+        ids = per_epoch[e]
+        assert sorted(ids) == list(range(n_samples)), (
+            f"epoch {e}: {len(ids)} ids, {len(set(ids))} distinct, expected each of "
+            f"{n_samples} exactly once"
+        )
+    last = per_epoch[max(per_epoch)]
+    assert len(last) == len(set(last)), "the running epoch repeated a sample"
+    return len(complete)
+
+
+def test_resize_2_to_4_to_2_follows_discovery_file(tmp_path, jobs):
+    run = tmp_path / "run"
+    run.mkdir()
+    hosts, discover = write_discovery(tmp_path, "localhost:2")
+    job = jobs.start(
+        horovodrun_elastic(discover, 2, 2, 4) + [
+            PYTHON, JOB, "--run-dir", str(run), "--expect-sizes", "2,4,2",
+            "--steps-at-each", "30", "--commit-every", "5",
+        ],
+        name="resize",
+    )
+    wait_for(lambda: any(c["size"] == 2 and c["step"] >= 30 for c in commits(run)), 120,
+             "30 steps at size 2", job)
+    set_hosts(hosts, "localhost:2,127.0.0.1:2")
+    wait_for(lambda: any(c["size"] == 4 for c in commits(run)), 120, "a commit at size 4", job)
+    first4 = min(c["step"] for c in commits(run) if c["size"] == 4)
+    wait_for(lambda: any(c["size"] == 4 and c["step"] >= first4 + 30 for c in commits(run)),
+             120, "30 steps at size 4", job)
+    set_hosts(hosts, "localhost:2")
+    assert job.wait(180) == 0, job.output()[-3000:]
+    assert sizes_seen(run) == [2, 4, 2]
+    digests = final_digests(run)
+    assert sorted(digests) == [0, 1], digests
+    assert len(set(digests.values())) == 1, f"ranks disagree after resets: {digests}"
+    resets = [e for e in events(run / "events.jsonl") if e["event"] == "reset"]
+    assert {(r["old_size"], r["new_size"]) for r in resets} >= {(2, 4), (4, 2)}
+    assert_exactly_once(run, 2048)
+
+
+def test_kill_9_one_worker_of_two_hosts_loses_at_most_one_commit(tmp_path, jobs):
+    run = tmp_path / "run"
+    run.mkdir()
+    _, discover = write_discovery(tmp_path, "localhost:1,127.0.0.1:1")
+    commit_every = 5
+    env = jobs.env(HVD_RESILIENT_FAULT="kill:rank=1:step=37")
+    job = jobs.start(
+        horovodrun_elastic(discover, 2, 1, 2, "--gloo-timeout-seconds", "5",
+                           "--blacklist-cooldown-range", "2", "4") + [
+            PYTHON, JOB, "--run-dir", str(run), "--expect-sizes", "2,1,2",
+            "--commit-every", str(commit_every),
+        ],
+        env=env, name="kill",
+    )
+    assert job.wait(300) == 0, job.output()[-3000:]
+    evs = events(run / "events.jsonl")
+    restores = [e for e in evs if e["event"] == "restore"]
+    assert restores, "the survivor never restored a commit"
+    for r in restores:
+        assert 0 <= r["lost_steps"] <= commit_every, r
+    assert any(e["event"] == "reset" and e["new_size"] == 1 for e in evs)
+    assert sizes_seen(run) == [2, 1, 2], "expected 2 workers, 1 after the kill, 2 after cooldown"
+    digests = final_digests(run)
+    assert len(set(digests.values())) == 1, digests
+    assert_exactly_once(run, 2048)
+
+
+def test_trainer_accuracy_after_elastic_failure_matches_fixed_run(tmp_path, jobs):
+    common = ["--epochs", "12", "--batch-size", "32", "--commit-every", "5", "--seed", "1"]
+    fixed = tmp_path / "fixed"
+    job = jobs.start(
+        [str(Path(PYTHON).parent / "horovodrun"), "-np", "2", "--gloo",
+         "--network-interface", "lo", PYTHON, DIGITS, "--run-id", "fixed",
+         "--run-dir", str(fixed), *common],
+        name="fixed",
+    )
+    assert job.wait(240) == 0, job.output()[-3000:]
+    elastic = tmp_path / "elastic"
+    elastic.mkdir()
+    _, discover = write_discovery(tmp_path, "localhost:1,127.0.0.1:1")
+    job = jobs.start(
+        horovodrun_elastic(discover, 2, 1, 2, "--gloo-timeout-seconds", "5",
+                           "--blacklist-cooldown-range", "2", "4") + [
+            PYTHON, DIGITS, "--run-id", "elastic", "--run-dir", str(elastic), *common],
+        env=jobs.env(HVD_RESILIENT_FAULT="kill:rank=1:step=101"), name="elastic",
+    )
+    assert job.wait(300) == 0, job.output()[-3000:]
+    evs = events(elastic / "events.jsonl")
+    assert any(e["event"] == "restore" for e in evs), "no failure happened"
+    assert len(set(final_digests(elastic).values())) == 1
+    acc_fixed = json.loads((fixed / "result.json").read_text())["accuracy"]
+    acc_elastic = json.loads((elastic / "result.json").read_text())["accuracy"]
+    assert acc_fixed > 0.9 and acc_elastic > 0.9, (acc_fixed, acc_elastic)
+    assert abs(acc_fixed - acc_elastic) < 0.04, (acc_fixed, acc_elastic)
