@@ -87,12 +87,14 @@ class JobRunner:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
         self.jobs: list[Job] = []
+        self.extra_env: dict[str, str] = {}  # added to every job's environment
 
     def env(self, **extra: str) -> dict[str, str]:
         env = dict(os.environ)
         env["PATH"] = f"{VENV_BIN}:{env.get('PATH', '')}"
         env["PYTHONPATH"] = f"{ROOT}:{env.get('PYTHONPATH', '')}"
         env["PYTHONUNBUFFERED"] = "1"
+        env.update(self.extra_env)
         env.update(extra)
         return env
 

@@ -1,0 +1,67 @@
+"""A job killed outright (SIGKILL to every process) resumes from its newest durable checkpoint,
+and with the same world size and seed ends bit-identical to a run that was never killed."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+from jobs import PYTHON, ROOT, events, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+DIGITS = str(ROOT / "examples" / "digits.py")
+HOROVODRUN = str(Path(PYTHON).parent / "horovodrun")
+
+
+def digits_cmd(run: Path, url: str | None = None) -> list[str]:
+    cmd = [HOROVODRUN, "-np", "2", "--gloo", "--network-interface", "lo", PYTHON, DIGITS,
+           "--run-id", "r", "--run-dir", str(run), "--epochs", "25", "--commit-every", "5",
+           "--checkpoint-every", "20", "--seed", "3"]
+    return cmd + (["--checkpoint-url", url] if url else [])
+
+
+def done_digests(run: Path) -> set[str]:
+    return {e["params_sha256"] for e in events(run / "events.jsonl") if e["event"] == "done"}
+
+
+def saved_steps(run: Path) -> list[int]:
+    return [e["step"] for e in events(run / "events.jsonl") if e["event"] == "checkpoint_saved"]
+
+
+def kill_everything(job) -> None:
+    procs = job.processes()
+    assert len(procs) >= 3, "expected horovodrun and two workers"
+    for p in procs:
+        p.send_signal(signal.SIGKILL)
+    job.wait(30)
+
+
+def check_kill_and_resume(tmp_path: Path, jobs, url_for) -> None:
+    ref = tmp_path / "ref"
+    job = jobs.start(digits_cmd(ref, url_for("ref")), name="ref")
+    assert job.wait(240) == 0, job.output()[-3000:]
+    (reference,) = done_digests(ref)
+
+    run = tmp_path / "run"
+    job = jobs.start(digits_cmd(run, url_for("run")), name="first")
+    wait_for(lambda: any(s >= 100 for s in saved_steps(run)), 180, "a checkpoint at step >= 100",
+             job)
+    kill_everything(job)
+    assert not done_digests(run), "the job finished before it could be killed"
+    last_saved = max(saved_steps(run))
+
+    job = jobs.start(digits_cmd(run, url_for("run")), name="second")
+    assert job.wait(240) == 0, job.output()[-3000:]
+    resumes = [e for e in events(run / "events.jsonl") if e["event"] == "resume"]
+    assert len(resumes) == 1 and resumes[0]["from_step"] >= last_saved - 20, resumes
+    assert done_digests(run) == {reference}, "resumed run is not bit-identical to the reference"
+
+
+def test_sigkill_whole_job_resumes_bit_identical_file_store(tmp_path, jobs):
+    check_kill_and_resume(tmp_path, jobs, lambda name: (tmp_path / name / "ckpt").as_uri())
+
+
+def test_sigkill_whole_job_resumes_bit_identical_s3(tmp_path, jobs, s3_url, s3_server):
+    jobs.extra_env.update(s3_server.env())  # every launch talks to the test's SeaweedFS
+    check_kill_and_resume(tmp_path, jobs, lambda name: f"{s3_url}/{name}")
