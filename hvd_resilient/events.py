@@ -41,12 +41,13 @@ class EventLog:
         path: str | os.PathLike[str] | None,
         rank: Callable[[], int] | int = 0,
         size: Callable[[], int] | int = 1,
-        step: Callable[[], int] | int = 0,
+        step: Callable[[], int] | int | None = None,
     ) -> None:
         self.path = Path(path) if path else None
         self._rank = rank
         self._size = size
-        self._step = step
+        self.step_source = step
+        """Where `step` comes from; an ElasticState fills it in when it is left unset."""
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -63,7 +64,7 @@ class EventLog:
             "event": event,
             "rank": self._value(self._rank),
             "size": self._value(self._size),
-            "step": self._value(self._step),
+            "step": self._value(self.step_source if self.step_source is not None else 0),
         }
         record.update(_clean(fields))
         if self.path is not None:

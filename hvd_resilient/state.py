@@ -87,6 +87,8 @@ class ElasticState(TorchState):
         **extras: Any,
     ) -> None:
         self.events = events or EventLog(None)
+        if self.events.step_source is None:
+            self.events.step_source = lambda: self.step
         self._seed = seed
         self._lr_scaling = lr_scaling
         self._synced_once = False

@@ -20,7 +20,7 @@ import horovod.torch as hvd
 import torch
 from torch.utils.data import default_collate
 
-from hvd_resilient import elastic, log
+from hvd_resilient import elastic, hvd_init, log
 from hvd_resilient.config import TrainConfig
 from hvd_resilient.durable import DurableCheckpoints
 from hvd_resilient.events import EventLog
@@ -65,6 +65,13 @@ def _flag_preemption() -> list[int]:
     return received
 
 
+def share_cores() -> None:
+    """Several workers per host each running torch's default thread pool oversubscribe the
+    cores and slow every step; give each its share unless the user set OMP_NUM_THREADS."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, hvd.local_size())))
+
+
 class Trainer:
     """Runs the training loop for a model whose forward takes the collated inputs."""
 
@@ -79,6 +86,7 @@ class Trainer:
         scheduler: Any | None = None,
         collate_fn: Callable[[list[Any]], Any] = default_collate,
         on_step: Callable[[ElasticState, float], None] | None = None,
+        comm: Any | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -88,16 +96,15 @@ class Trainer:
         self.scheduler = scheduler
         self.collate_fn = collate_fn
         self.on_step = on_step
+        self.comm = comm
+        """An mpi4py communicator to train on (default: COMM_WORLD under mpirun)."""
 
     def fit(self) -> FitResult:
         cfg = self.config
-        hvd.init()
+        hvd_init.init(self.comm)
         log.setup(rank_fn=hvd.rank)
-        state_ref: list[ElasticState] = []
-        events = EventLog(
-            f"{cfg.run_dir}/events.jsonl", rank=hvd.rank, size=hvd.size,
-            step=lambda: state_ref[0].step if state_ref else 0,
-        )
+        share_cores()
+        events = EventLog(f"{cfg.run_dir}/events.jsonl", rank=hvd.rank, size=hvd.size)
         optimizer = hvd.DistributedOptimizer(
             self.optimizer, named_parameters=self.model.named_parameters()
         )
@@ -106,7 +113,6 @@ class Trainer:
             self.model, optimizer, sampler=sampler, scheduler=self.scheduler, seed=cfg.seed,
             lr_scaling=cfg.lr_scaling, events=events, last_loss=math.nan,
         )
-        state_ref.append(state)
         durable = DurableCheckpoints(cfg, state, events)
         events.emit("start", pid=os.getpid(), host=socket.gethostname(),
                     run_id=cfg.run_id, config=cfg.to_dict() if hvd.rank() == 0 else None)

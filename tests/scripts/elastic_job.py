@@ -49,13 +49,10 @@ def main() -> int:
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 2))
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
                                    named_parameters=model.named_parameters())
-    holder: list[ElasticState] = []
-    events = EventLog(os.path.join(a.run_dir, "events.jsonl"), rank=hvd.rank, size=hvd.size,
-                      step=lambda: holder[0].step if holder else 0)
+    events = EventLog(os.path.join(a.run_dir, "events.jsonl"), rank=hvd.rank, size=hvd.size)
     events.emit("start", pid=os.getpid())
     state = ElasticState(model, opt, sampler=ElasticDataSampler(N_SAMPLES, seed=0),
                          events=events)
-    holder.append(state)
     sizes: list[tuple[int, int]] = []  # rank 0: (size, step it was first seen at)
     pending: list[tuple[int, list[int]]] = []  # (epoch, ids) trained since the last commit
     state.register_reset_callbacks([pending.clear])

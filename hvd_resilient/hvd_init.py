@@ -1,0 +1,31 @@
+"""Starting Horovod the right way for the launcher that started this process.
+
+Under `mpirun`/`srun` (a static MPI world) Horovod runs on its MPI controller over mpi4py's
+COMM_WORLD, or a sub-communicator the user passes; under `horovodrun` elastic it must be Gloo
+(MPI cannot change its world). Horovod would pick by itself in most cases; being explicit makes
+the mpi4py communicator the one Horovod uses, so user code can mix mpi4py calls safely.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import horovod.torch as hvd
+
+
+def launched_by_mpi(env: dict[str, str] | os._Environ[str] = os.environ) -> bool:
+    gloo = "HOROVOD_GLOO_RENDEZVOUS_ADDR" in env
+    mpi = any(k in env for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"))
+    return mpi and not gloo
+
+
+def init(comm: Any | None = None) -> None:
+    if comm is None and launched_by_mpi():
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+    if comm is None:
+        hvd.init()
+    else:
+        hvd.init(comm=comm)
