@@ -146,3 +146,47 @@ def test_trainer_accuracy_after_elastic_failure_matches_fixed_run(tmp_path, jobs
     acc_elastic = json.loads((elastic / "result.json").read_text())["accuracy"]
     assert acc_fixed > 0.9 and acc_elastic > 0.9, (acc_fixed, acc_elastic)
     assert abs(acc_fixed - acc_elastic) < 0.04, (acc_fixed, acc_elastic)
+
+
+def test_job_follows_hostfile_through_health_filter(tmp_path, jobs):
+    """hostfile wrapped in health-filter: a listed host whose port is dead never joins; a host
+    removed from the file leaves, and joins again when added back."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))  # "ssh port" of localhost and 127.0.0.1; not of 127.0.0.3
+    listener.listen(64)
+    port = listener.getsockname()[1]
+    try:
+        run = tmp_path / "run"
+        run.mkdir()
+        hosts = tmp_path / "hosts.txt"
+        set_hosts(hosts, "localhost:1,127.0.0.1:1,127.0.0.3:1")
+        discover = tmp_path / "discover.sh"
+        discover.write_text(
+            f"#!/bin/sh\nexec {PYTHON} {ROOT}/discovery/health-filter --port {port} "
+            f"--timeout 0.5 -- {PYTHON} {ROOT}/discovery/hostfile {hosts}\n"
+        )
+        discover.chmod(0o755)
+        job = jobs.start(
+            horovodrun_elastic(discover, 2, 1, 3) + [
+                PYTHON, JOB, "--run-dir", str(run), "--expect-sizes", "2,1,2",
+                "--commit-every", "5",
+            ],
+            name="health",
+        )
+        wait_for(lambda: any(c["size"] == 2 and c["step"] >= 20 for c in commits(run)), 120,
+                 "20 steps at size 2", job)
+        set_hosts(hosts, "localhost:1,127.0.0.3:1")
+        wait_for(lambda: any(c["size"] == 1 for c in commits(run)), 120, "a commit at size 1",
+                 job)
+        set_hosts(hosts, "localhost:1,127.0.0.1:1,127.0.0.3:1")
+        assert job.wait(180) == 0, job.output()[-3000:]
+    finally:
+        listener.close()
+    assert sizes_seen(run) == [2, 1, 2]
+    assert max(e["size"] for e in events(run / "events.jsonl")) == 2, "the dead host joined"
+    evs = events(run / "events.jsonl")
+    assert not [e for e in evs if e["event"] == "restore"], "a graceful removal lost work"
+    assert len(set(final_digests(run).values())) == 1
+    assert_exactly_once(run, 2048)
