@@ -20,7 +20,14 @@ def _demo(argv: list[str]) -> int:
     return main(argv)
 
 
+def _run(argv: list[str]) -> int:
+    from hvd_resilient.launch.cli import main
+
+    return main(argv)
+
+
 COMMANDS = {
+    "run": (_run, "launch a job with horovodrun or mpirun and restart it after failures"),
     "demo": (_demo, "train the digits example elastically on this machine"),
     "ckpt": (_ckpt, "list | show | verify | prune durable checkpoints at a URL"),
 }

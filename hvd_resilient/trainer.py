@@ -21,8 +21,10 @@ import torch
 from torch.utils.data import default_collate
 
 from hvd_resilient import elastic, hvd_init, log
+from hvd_resilient.checkpoint.store import StoreError
 from hvd_resilient.config import TrainConfig
 from hvd_resilient.durable import DurableCheckpoints
+from hvd_resilient.errors import HvdResilientError
 from hvd_resilient.events import EventLog
 from hvd_resilient.faults import ENV as FAULT_ENV
 from hvd_resilient.faults import FaultPlan
@@ -117,7 +119,12 @@ class Trainer:
         events.emit("start", pid=os.getpid(), host=socket.gethostname(),
                     run_id=cfg.run_id, config=cfg.to_dict() if hvd.rank() == 0 else None)
         if hvd.rank() == 0 and cfg.resume:
-            durable.resume()
+            try:
+                durable.resume()
+            except (HvdResilientError, StoreError) as e:
+                # A restart would meet the same checkpoint or store: tell the supervisor.
+                events.emit("fatal", error=str(e), restartable=False)
+                raise
         preempt = _flag_preemption()
         self._faults = FaultPlan.parse(os.environ.get(FAULT_ENV), cfg.run_dir)
 

@@ -9,10 +9,10 @@ job). Every flag we set is visible in `--dry-run` output.
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import dataclass
 
-from hvd_resilient.errors import ConfigError, LaunchError
+from hvd_resilient.errors import ConfigError
+from hvd_resilient.launch.commands import require
 
 
 @dataclass(kw_only=True)
@@ -57,9 +57,7 @@ class ElasticLaunch:
 
 
 def horovodrun_command(launch: ElasticLaunch, train_cmd: list[str]) -> list[str]:
-    exe = shutil.which("horovodrun")
-    if exe is None:
-        raise LaunchError("horovodrun not found on PATH: run `make install` (or activate .venv)")
+    exe = require("horovodrun", "run `make install` (or activate .venv)")
     cmd = [
         exe, "-np", str(launch.np), "--min-np", str(launch.min_np),
         "--max-np", str(launch.max_np),

@@ -1,0 +1,53 @@
+"""Launcher command lines other than elastic horovodrun: static horovodrun and mpirun."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from hvd_resilient.errors import LaunchError
+
+
+def require(exe: str, hint: str) -> str:
+    """The launcher beside this Python first (a venv not activated), then PATH."""
+    beside = Path(sys.executable).parent / exe
+    path = str(beside) if os.access(beside, os.X_OK) else shutil.which(exe)
+    if path is None:
+        raise LaunchError(f"{exe} not found on PATH: {hint}")
+    return path
+
+
+def hosts_arg(hosts: list[tuple[str, int]]) -> str:
+    return ",".join(f"{h}:{n}" for h, n in hosts)
+
+
+def horovodrun_static(np: int, hosts: list[tuple[str, int]] | None,
+                      network_interface: str | None, train_cmd: list[str]) -> list[str]:
+    cmd = [require("horovodrun", "run `make install` or activate .venv"), "-np", str(np),
+           "--gloo"]
+    if hosts:
+        cmd += ["-H", hosts_arg(hosts)]
+    if network_interface:
+        cmd += ["--network-interface", network_interface]
+    return cmd + train_cmd
+
+
+def mpirun_command(np: int, hosts: list[tuple[str, int]] | None, env_names: list[str],
+                   train_cmd: list[str]) -> list[str]:
+    """Open MPI's mpirun; every HVD_RESILIENT_/AWS_ variable is forwarded with -x."""
+    cmd = [require("mpirun", "install Open MPI (apt-get install openmpi-bin)"), "-np", str(np),
+           "--bind-to", "none", "--tag-output"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    if hosts:
+        cmd += ["-H", hosts_arg(hosts)]
+        if sum(n for _, n in hosts) < np:
+            raise LaunchError(f"--np {np} is more than the {sum(n for _, n in hosts)} slots "
+                              f"in --hosts {hosts_arg(hosts)}")
+    else:
+        cmd.append("--oversubscribe")  # one machine: as many ranks as asked, whatever its cores
+    for name in sorted(env_names):
+        cmd += ["-x", name]
+    return cmd + train_cmd

@@ -1,0 +1,132 @@
+"""`hvd-resilient run`: command lines, checks before launch, and supervised full restarts."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+from jobs import PYTHON, ROOT, events, wait_for
+
+HVD = str(Path(PYTHON).parent / "hvd-resilient")
+DIGITS = str(ROOT / "examples" / "digits.py")
+
+
+def cli(*argv: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([HVD, *argv], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_dry_run_prints_command_and_masks_credentials(tmp_path):
+    import os
+
+    env = dict(os.environ, AWS_SECRET_ACCESS_KEY="s3cr3t-value", AWS_ACCESS_KEY_ID="AKIAX")
+    r = cli("run", "--backend", "mpi", "--np", "3", "--hosts", "a:2,b:2", "--run-id", "x",
+            "--run-dir", str(tmp_path), "--checkpoint", "s3://bkt/p", "--dry-run", "--",
+            "python", "train.py", "--epochs", "2", env=env)
+    assert r.returncode == 0, r.stderr
+    first, *env_lines = r.stdout.splitlines()
+    assert "mpirun -np 3 " in first and "-H a:2,b:2" in first
+    assert "-x AWS_SECRET_ACCESS_KEY" in first and first.endswith("python train.py --epochs 2")
+    assert "AWS_SECRET_ACCESS_KEY=***" in env_lines
+    assert "HVD_RESILIENT_CHECKPOINT_URL=s3://bkt/p" in env_lines
+    assert "s3cr3t-value" not in r.stdout + r.stderr
+
+
+def test_elastic_dry_run_sets_the_flags_that_matter(tmp_path):
+    d = tmp_path / "d.sh"
+    d.write_text("#!/bin/sh\necho localhost:2\n")
+    d.chmod(0o755)
+    r = cli("run", "--discovery", str(d), "--np", "2", "--min-np", "1", "--max-np", "4",
+            "--network-interface", "lo", "--run-dir", str(tmp_path), "--dry-run", "--",
+            "python", "t.py")
+    assert r.returncode == 0, r.stderr
+    for flag in ("--host-discovery-script", "--min-np 1", "--max-np 4",
+                 "--blacklist-cooldown-range", "--gloo-timeout-seconds 30",
+                 "--network-interface lo"):
+        assert flag in r.stdout.splitlines()[0]
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--backend", "mpi", "--discovery", "x"], "--discovery needs --backend horovod"),
+    (["--hosts", "a:0"], "--hosts entry 'a:0' must look like host:slots"),
+    (["--np", "5", "--min-np", "1", "--max-np", "4", "--discovery", "/bin/true"],
+     "--np 5 must lie between"),
+    (["--checkpoint", "ftp://x"], "checkpoint_url must start with file:// or s3://"),
+])
+def test_bad_options_one_line(tmp_path, argv, needle):
+    r = cli("run", "--run-dir", str(tmp_path), *argv, "--", "python", "t.py")
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr, r.stderr
+
+
+def test_discovery_failing_on_first_call_is_one_line(tmp_path):
+    d = tmp_path / "d.sh"
+    d.write_text("#!/bin/sh\necho 'cannot reach the API server' >&2\nexit 1\n")
+    d.chmod(0o755)
+    r = cli("run", "--discovery", str(d), "--run-dir", str(tmp_path), "--", "python", "t.py")
+    assert r.returncode == 2
+    assert r.stderr.strip() == (f"hvd-resilient: error: discovery script {d} failed on its "
+                                "first call: cannot reach the API server")
+
+
+def test_missing_bucket_is_one_line_before_launch(tmp_path, s3_server):
+    import os
+
+    env = dict(os.environ, **s3_server.env())
+    r = cli("run", "--backend", "mpi", "--run-dir", str(tmp_path), "--checkpoint",
+            "s3://no-such-bucket/x", "--", "python", DIGITS, env=env)
+    assert r.returncode == 2, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "no-such-bucket" in r.stderr and s3_server.secret_key not in r.stderr
+    assert not (tmp_path / "events.jsonl").exists(), "nothing may launch"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_mpi_rank_killed_supervisor_restarts_and_ends_bit_identical(tmp_path, jobs):
+    common = ["--epochs", "8", "--commit-every", "5", "--checkpoint-every", "20", "--seed", "2"]
+    ref = tmp_path / "ref"
+    job = jobs.start([HVD, "run", "--backend", "mpi", "--np", "2", "--run-id", "ref",
+                      "--run-dir", str(ref), "--", PYTHON, DIGITS, *common], name="ref")
+    assert job.wait(240) == 0, job.output()[-3000:]
+    run = tmp_path / "run"
+    job = jobs.start([HVD, "run", "--backend", "mpi", "--np", "2", "--run-id", "run",
+                      "--run-dir", str(run), "--max-restarts", "2", "--", PYTHON, DIGITS,
+                      *common], env=jobs.env(HVD_RESILIENT_FAULT="kill:rank=1:step=70"),
+                     name="run")
+    assert job.wait(300) == 0, job.output()[-3000:]
+    evs = events(run / "events.jsonl")
+    assert [e["attempt"] for e in evs if e["event"] == "restart"] == [1]
+    (resume,) = [e for e in evs if e["event"] == "resume"]
+    assert resume["from_step"] == 60, "should resume from the last checkpoint before step 70"
+    digests = {e["params_sha256"] for e in evs if e["event"] == "done"}
+    ref_digests = {e["params_sha256"] for e in events(ref / "events.jsonl")
+                   if e["event"] == "done"}
+    assert len(ref_digests) == 1 and digests == ref_digests
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_preemption_signal_final_checkpoint_then_restart_loses_nothing(tmp_path, jobs):
+    run = tmp_path / "run"
+    job = jobs.start([HVD, "run", "--backend", "mpi", "--np", "2", "--run-id", "p",
+                      "--run-dir", str(run), "--", PYTHON, DIGITS, "--epochs", "30",
+                      "--commit-every", "5", "--checkpoint-every", "50",
+                      "--grace-seconds", "30"], name="preempt")
+    wait_for(lambda: any(e["event"] == "checkpoint_saved" for e in events(run / "events.jsonl")),
+             180, "a first checkpoint", job)
+    workers = [p for p in job.processes() if p.cmdline()[1:2] == [DIGITS]]
+    assert len(workers) == 2
+    for p in workers:  # what Slurm's --signal=USR1@T and a Kubernetes eviction do: every task
+        p.send_signal(signal.SIGUSR1)
+    assert job.wait(300) == 0, job.output()[-3000:]
+    evs = events(run / "events.jsonl")
+    pre = [e for e in evs if e["event"] == "preempted"]
+    assert pre and all(e["exit_code"] == 75 for e in pre)
+    (pre0,) = [e for e in pre if e["rank"] == 0]
+    saved_at_stop = max(e["step"] for e in evs
+                        if e["event"] == "checkpoint_saved" and e["ts"] <= pre0["ts"])
+    (resume,) = [e for e in evs if e["event"] == "resume"]
+    assert resume["from_step"] == pre0["step"] == saved_at_stop, "work lost at preemption"
+    assert any(e["event"] == "restart" and e["preempted"] for e in evs)
