@@ -56,10 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     trainer = Trainer(model, optimizer, nn.functional.cross_entropy, train, cfg)
     result = trainer.fit()
-
-    import horovod.torch as hvd
-
-    if hvd.rank() == 0:
+    if result.rank == 0:
         model.eval()
         with torch.no_grad():
             acc = (model(x_test).argmax(1) == y_test).float().mean().item()

@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import hvd_resilient
     from hvd_resilient import log
+    from hvd_resilient.backends.horovod import HorovodBackend
     from hvd_resilient.durable import DurableCheckpoints
     from hvd_resilient.events import EventLog
     from hvd_resilient.sampler import ElasticDataSampler
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
     hvd.init()
     log.setup(rank_fn=hvd.rank)
-    share_cores()
+    share_cores(hvd.local_size())
     text = make_text()
     vocab = sorted(set(text))
     data = torch.tensor([vocab.index(c) for c in text])
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     state = ElasticState(model, optimizer, scheduler=scheduler, events=events,
                          sampler=ElasticDataSampler(n_windows, seed=cfg.seed), seed=cfg.seed,
                          lr_scaling=cfg.lr_scaling, loss=math.nan)
-    checkpoints = DurableCheckpoints(cfg, state, events)
+    checkpoints = DurableCheckpoints(cfg, state, events, HorovodBackend())
     if hvd.rank() == 0 and cfg.resume:
         checkpoints.resume()
 

@@ -11,9 +11,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import horovod.torch as hvd
-
 from hvd_resilient import rng
+from hvd_resilient.backends.base import Backend
 from hvd_resilient.checkpoint.manager import CheckpointManager
 from hvd_resilient.checkpoint.serialize import (
     check_state_dict_keys,
@@ -25,20 +24,23 @@ from hvd_resilient.config import TrainConfig
 from hvd_resilient.errors import ResumeError
 from hvd_resilient.events import EventLog
 from hvd_resilient.log import get
-from hvd_resilient.state import ElasticState
+from hvd_resilient.state_core import StateCore
 
 log = get("durable")
 STATE_FILE = "state.pt"
 
 
 class DurableCheckpoints:
-    def __init__(self, config: TrainConfig, state: ElasticState, events: EventLog) -> None:
+    def __init__(self, config: TrainConfig, state: StateCore, events: EventLog,
+                 backend: Backend) -> None:
         self.config = config
+        self.backend = backend
         self.state = state
         self.events = events
         self._manager: CheckpointManager | None = None
         self._writer: AsyncCheckpointWriter | None = None
         self.last_saved_step = -1
+        self._last_save_time: float | None = None
 
     def _emit(self, name: str, fields: dict[str, Any]) -> None:
         self.events.emit(name, **fields)
@@ -60,15 +62,16 @@ class DurableCheckpoints:
 
     # -- resume ----------------------------------------------------------------------------
     def resume(self) -> int | None:
-        """Rank 0: loads the newest verified checkpoint into the state. No collective here:
-        a worker that joins later runs this code too, while the others wait in sync."""
+        """Loads the newest verified checkpoint into the state (rank 0 under Horovod, every
+        rank under torchrun). No collective here: under Horovod a worker that joins later runs
+        this code too, while the others wait in sync."""
         found = self.manager.load_latest()
         if found is None:
             log.info("no checkpoint at %s: starting from scratch", self.config.checkpoint_url)
             return None
         info, files = found
         sd = from_bytes(files[STATE_FILE])
-        expected = set(self.state.model.state_dict())
+        expected = self.state.model_keys()
         try:
             check_state_dict_keys(expected, set(sd["model"]))
         except Exception as e:
@@ -76,13 +79,20 @@ class DurableCheckpoints:
                 from None
         self.state.load_checkpoint_state(sd)
         self.last_saved_step = self.state.step
-        self.events.emit("resume", from_step=self.state.step, epoch=self.state.epoch,
-                         saved_world_size=info.world_size)
+        self._last_save_time = info.created
+        if self.backend.rank() == 0:
+            self.events.emit("resume", from_step=self.state.step, epoch=self.state.epoch,
+                             saved_world_size=info.world_size)
         log.info("resumed from checkpoint step %d (epoch %d, saved at world size %d)",
                  self.state.step, self.state.epoch, info.world_size)
         return self.state.step
 
     # -- save --------------------------------------------------------------------------------
+    def seconds_since_save(self) -> float | None:
+        """Time since the newest checkpoint this process handed to the store (what a crash
+        now would cost, at most)."""
+        return None if self._last_save_time is None else time.time() - self._last_save_time
+
     def due(self) -> bool:
         every, step = self.config.checkpoint_every, self.state.step
         return every > 0 and step % every == 0 and step != self.last_saved_step
@@ -90,12 +100,13 @@ class DurableCheckpoints:
     def save(self, *, blocking: bool = False) -> None:
         """Collective: every rank must call it at the same step."""
         t0 = time.perf_counter()
-        streams = hvd.allgather_object(rng.capture())
+        streams = self.backend.allgather_object(rng.capture())
         self.last_saved_step = self.state.step
-        if hvd.rank() != 0:
+        self._last_save_time = time.time()
+        if self.backend.rank() != 0:
             return
         snapshot = {STATE_FILE: snapshot_state_dict(self.state.checkpoint_state(streams))}
-        kwargs = dict(step=self.state.step, epoch=self.state.epoch, world_size=hvd.size(),
+        kwargs = dict(step=self.state.step, epoch=self.state.epoch, world_size=self.backend.size(),
                       payload=snapshot, run_id=self.config.run_id)
         if blocking:
             self.writer.save_sync(**kwargs, timeout=self.config.grace_seconds)

@@ -11,7 +11,6 @@ durable checkpoint holds is one plain dict (`checkpoint_state`), loadable with
 from __future__ import annotations
 
 import copy
-import hashlib
 import os
 import time
 from typing import Any
@@ -24,6 +23,7 @@ from hvd_resilient import rng
 from hvd_resilient.events import EventLog
 from hvd_resilient.log import get
 from hvd_resilient.sampler import ElasticDataSampler
+from hvd_resilient.state_core import StateCore
 
 log = get("state")
 
@@ -62,11 +62,7 @@ class _RngHandler(StateHandler):
         pass
 
 
-def lr_scale_for(rule: str, world_size: int) -> float:
-    return float(world_size) if rule == "linear" else 1.0
-
-
-class ElasticState(TorchState):
+class ElasticState(StateCore, TorchState):
     """State of one elastic training run: model, optimizer, scheduler, sampler, counters, RNG.
 
     `step` and `samples` count optimizer steps and samples over the whole run; the epoch and the
@@ -105,9 +101,11 @@ class ElasticState(TorchState):
         self.scheduler = scheduler
         self._handlers["rng"] = _RngHandler()
 
-    @property
-    def epoch(self) -> int:
-        return self.sampler.epoch
+    def _rank(self) -> int:
+        return hvd.rank()
+
+    def _size(self) -> int:
+        return hvd.size()
 
     # -- the elastic protocol -------------------------------------------------------------
     def commit(self) -> None:
@@ -136,67 +134,10 @@ class ElasticState(TorchState):
         # the next commit restores this, not whatever a freshly started worker had.
         self.save()
 
-    # -- pieces ----------------------------------------------------------------------------
-    def _apply_start_rng(self) -> None:
-        resume = self.resume_rng
-        r, n = hvd.rank(), hvd.size()
-        if resume is not None and resume.get("world_size") == n:
-            rng.restore(resume["streams"][r])
-        else:
-            rng.seed_all(rng.derived_seed(self._seed, "rank", r, "step", self.step))
-        self.resume_rng = None
-
-    def _apply_lr_scaling(self) -> None:
-        target = lr_scale_for(self._lr_scaling, hvd.size())
-        if target == self.lr_scale:
-            return
-        factor = target / self.lr_scale
-        for group in self.optimizer.param_groups:
-            group["lr"] *= factor
-            if "initial_lr" in group:
-                group["initial_lr"] *= factor
-        if self.scheduler is not None and hasattr(self.scheduler, "base_lrs"):
-            self.scheduler.base_lrs = [lr * factor for lr in self.scheduler.base_lrs]
-        log.info("learning rate scaled x%g for world size %d (%s)", factor, hvd.size(),
-                 self._lr_scaling)
-        self.lr_scale = target
-
-    def params_sha256(self) -> str:
-        """One digest of every parameter and buffer: equal across ranks iff they agree."""
-        h = hashlib.sha256()
-        for name, t in sorted(self.model.state_dict().items()):
-            h.update(name.encode())
-            h.update(t.detach().cpu().contiguous().numpy().tobytes())
-        return h.hexdigest()
-
-    # -- durable checkpoints ---------------------------------------------------------------
-    def checkpoint_state(self, rng_streams: list[dict[str, Any]]) -> dict[str, Any]:
-        """A plain dict of the current state; tensors are shared, the caller snapshots them."""
-        out: dict[str, Any] = {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "sampler": self.sampler.state_dict(),
-            "counters": {"step": self.step, "samples": self.samples, "lr_scale": self.lr_scale},
-            "rng": {"world_size": len(rng_streams), "streams": rng_streams},
-            "extras": {k: getattr(self, k) for k in self._extra_names},
-        }
-        if self.scheduler is not None:
-            out["scheduler"] = self.scheduler.state_dict()
-        return out
-
     def load_checkpoint_state(self, sd: dict[str, Any]) -> None:
-        """Applies a durable checkpoint locally (no collective: sync spreads it afterwards)."""
-        self.model.load_state_dict(sd["model"])
-        self.optimizer.load_state_dict(sd["optimizer"])
-        self.sampler.load_state_dict(sd["sampler"])
-        if self.scheduler is not None and "scheduler" in sd:
-            self.scheduler.load_state_dict(sd["scheduler"])
-        c = sd["counters"]
-        self.step, self.samples, self.lr_scale = int(c["step"]), int(c["samples"]), c["lr_scale"]
-        for k, v in sd.get("extras", {}).items():
-            if k in self._extra_names:
-                setattr(self, k, v)
-        self.resume_rng = sd.get("rng")
+        """Applies a durable checkpoint on rank 0 and makes it the commit point; the first
+        sync spreads it (no collective here: a worker joining later runs this code too)."""
+        super().load_checkpoint_state(sd)
         self.save()
         self.last_commit_step = self.step
 

@@ -11,16 +11,16 @@ import math
 import os
 import signal
 import socket
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import horovod.torch as hvd
 import torch
 from torch.utils.data import default_collate
 
-from hvd_resilient import elastic, hvd_init, log
+from hvd_resilient import backends, log, memory
 from hvd_resilient.checkpoint.store import StoreError
 from hvd_resilient.config import TrainConfig
 from hvd_resilient.durable import DurableCheckpoints
@@ -29,7 +29,6 @@ from hvd_resilient.events import EventLog
 from hvd_resilient.faults import ENV as FAULT_ENV
 from hvd_resilient.faults import FaultPlan
 from hvd_resilient.sampler import ElasticDataSampler, StepSlice
-from hvd_resilient.state import ElasticState
 
 logger = log.get("trainer")
 
@@ -49,6 +48,7 @@ class FitResult:
     epoch: int
     loss: float
     world_size: int
+    rank: int
 
 
 def _flag_preemption() -> list[int]:
@@ -67,11 +67,11 @@ def _flag_preemption() -> list[int]:
     return received
 
 
-def share_cores() -> None:
+def share_cores(local_size: int) -> None:
     """Several workers per host each running torch's default thread pool oversubscribe the
     cores and slow every step; give each its share unless the user set OMP_NUM_THREADS."""
     if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, hvd.local_size())))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_size)))
 
 
 class Trainer:
@@ -87,8 +87,9 @@ class Trainer:
         *,
         scheduler: Any | None = None,
         collate_fn: Callable[[list[Any]], Any] = default_collate,
-        on_step: Callable[[ElasticState, float], None] | None = None,
+        on_step: Callable[[Any, float], None] | None = None,
         comm: Any | None = None,
+        backend: str | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -99,26 +100,29 @@ class Trainer:
         self.collate_fn = collate_fn
         self.on_step = on_step
         self.comm = comm
+        self.backend_name = backend
+        """horovod or torchrun; default: whichever launcher started this process."""
         """An mpi4py communicator to train on (default: COMM_WORLD under mpirun)."""
 
     def fit(self) -> FitResult:
         cfg = self.config
-        hvd_init.init(self.comm)
-        log.setup(rank_fn=hvd.rank)
-        share_cores()
-        events = EventLog(f"{cfg.run_dir}/events.jsonl", rank=hvd.rank, size=hvd.size)
-        optimizer = hvd.DistributedOptimizer(
-            self.optimizer, named_parameters=self.model.named_parameters()
-        )
+        backend = self.backend = backends.get(self.backend_name)
+        backend.init(self.comm)
+        log.setup(rank_fn=backend.rank)
+        share_cores(backend.local_size())
+        events = EventLog(f"{cfg.run_dir}/events.jsonl", rank=backend.rank, size=backend.size)
+        model, optimizer = backend.wrap(self.model, self.optimizer)
+        self._wrapped = model
         sampler = ElasticDataSampler(len(self.data), shuffle=cfg.shuffle, seed=cfg.seed)
-        state = ElasticState(
-            self.model, optimizer, sampler=sampler, scheduler=self.scheduler, seed=cfg.seed,
+        state = backend.make_state(
+            model, optimizer, sampler=sampler, scheduler=self.scheduler, seed=cfg.seed,
             lr_scaling=cfg.lr_scaling, events=events, last_loss=math.nan,
         )
-        durable = DurableCheckpoints(cfg, state, events)
-        events.emit("start", pid=os.getpid(), host=socket.gethostname(),
-                    run_id=cfg.run_id, config=cfg.to_dict() if hvd.rank() == 0 else None)
-        if hvd.rank() == 0 and cfg.resume:
+        durable = DurableCheckpoints(cfg, state, events, backend)
+        rank0 = backend.rank() == 0
+        events.emit("start", pid=os.getpid(), host=socket.gethostname(), backend=backend.name,
+                    run_id=cfg.run_id, config=cfg.to_dict() if rank0 else None)
+        if cfg.resume and (rank0 or backend.resume_on_every_rank):
             try:
                 durable.resume()
             except (HvdResilientError, StoreError) as e:
@@ -126,33 +130,66 @@ class Trainer:
                 events.emit("fatal", error=str(e), restartable=False)
                 raise
         preempt = _flag_preemption()
+        self._watch_memory(state, events, backend)
         self._faults = FaultPlan.parse(os.environ.get(FAULT_ENV), cfg.run_dir)
 
-        @elastic.run
-        def train(state: ElasticState) -> None:
+        def train(state: Any) -> None:
             self._loop(state, durable, preempt)
             if durable.last_saved_step != state.step:
                 durable.save()
 
         try:
-            train(state)
+            backend.run(train, state)
         finally:
             durable.close(timeout=cfg.grace_seconds)
         events.emit("done", epoch=state.epoch, loss=state.last_loss,
                     params_sha256=state.params_sha256())
-        if hvd.rank() == 0:
+        if rank0:
             logger.info("done: step %d, epoch %d, loss %.4f", state.step, state.epoch,
                         state.last_loss)
-        return FitResult(state.step, state.epoch, float(state.last_loss), hvd.size())
+        return FitResult(state.step, state.epoch, float(state.last_loss), backend.size(),
+                         backend.rank())
+
+    def _watch_memory(self, state: Any, events: EventLog, backend: Any) -> None:
+        if not hasattr(state, "register_reset_callbacks"):
+            return  # torchrun: a restart is a new process, nothing accumulates
+        watch = memory.GrowthWatch()
+
+        def after_reset() -> None:
+            m = memory.sample()
+            warning = watch.at_reset(m["rss_bytes"])
+            events.emit("memory", at="reset", **m)
+            if warning:
+                events.emit("memory_growth", warning=warning)
+                logger.warning("rank %d: %s", backend.rank(), warning)
+
+        state.register_reset_callbacks([after_reset])
+
+    def _report_progress(self, state: Any, durable: DurableCheckpoints, rate: float) -> None:
+        """Every rank records its memory; rank 0 records and shows progress."""
+        m = memory.sample()
+        state.events.emit("memory", **m)
+        if self.backend.rank() != 0:
+            return
+        since = durable.seconds_since_save()
+        state.events.emit("progress", epoch=state.epoch, loss=state.last_loss,
+                          samples_per_s=round(rate, 3), **m)
+        line = (f"epoch {state.epoch} step {state.step} loss {state.last_loss:.4f} | "
+                f"{rate:.1f} samples/s | world {self.backend.size()} | last checkpoint "
+                + (f"{since:.0f}s ago" if since is not None else "none yet"))
+        if sys.stderr.isatty():
+            print("\r" + line.ljust(100), end="", file=sys.stderr, flush=True)
+        else:
+            logger.info(line)
 
     # -- the loop ------------------------------------------------------------------------
-    def _finished(self, state: ElasticState) -> bool:
+    def _finished(self, state: Any) -> bool:
         cfg = self.config
         if cfg.max_steps and state.step >= cfg.max_steps:
             return True
         return state.epoch >= cfg.epochs
 
-    def _loop(self, state: ElasticState, durable: DurableCheckpoints, preempt: list[int]) -> None:
+    def _loop(self, state: Any, durable: DurableCheckpoints, preempt: list[int]) -> None:
         cfg = self.config
         sampler = state.sampler
         t_log, steps_since_log = time.time(), 0
@@ -163,7 +200,7 @@ class Trainer:
                 if cfg.checkpoint_every == 0 or self._finished(state):
                     durable.save()
                 continue
-            rank, size = hvd.rank(), hvd.size()
+            rank, size = self.backend.rank(), self.backend.size()
             sl = sampler.next_slice(rank, size, cfg.batch_size)
             self._faults.maybe_fire(rank, state.step)
             loss = self._step(state.optimizer, sl, size)
@@ -177,48 +214,41 @@ class Trainer:
             if self.on_step is not None:
                 self.on_step(state, state.last_loss)
             steps_since_log += 1
-            if rank == 0 and state.step % cfg.log_every == 0:
+            if state.step % cfg.log_every == 0:
                 now = time.time()
-                logger.info(
-                    "epoch %d step %d loss %.4f | %.1f samples/s | world %d",
-                    state.epoch, state.step, state.last_loss,
-                    steps_since_log * size * cfg.batch_size / max(now - t_log, 1e-9), size,
-                )
+                rate = steps_since_log * size * cfg.batch_size / max(now - t_log, 1e-9)
+                self._report_progress(state, durable, rate)
                 t_log, steps_since_log = now, 0
             if state.step % cfg.commit_every == 0:
-                if self._agree_to_stop(preempt):
+                if self.backend.any_rank(bool(preempt)):
                     self._stop_for_preemption(state, durable)
                 state.commit()
             if durable.due():
                 durable.save()
 
     def _step(self, optimizer: torch.optim.Optimizer, sl: StepSlice, size: int) -> float | None:
-        self.model.train()
+        self._wrapped.train()
         optimizer.zero_grad()
-        loss_value = None
-        if sl.indices:
-            inputs, targets = self.collate_fn([self.data[i] for i in sl.indices])
-            loss = self.loss_fn(self.model(inputs), targets)
-            # Ranks may hold unequal shares of the last batch of an epoch; weighting by share
-            # makes the averaged gradient the exact mean over the global batch.
-            (loss * (len(sl.indices) * size / sl.global_count)).backward()
-            loss_value = float(loss.detach())
-        # A rank with no samples still joins the allreduce: Horovod submits zero gradients.
+        # A rank with no samples in the epoch's last step still runs forward and backward
+        # (DDP and Horovod both need every rank in the allreduce), on one sample weighted 0.
+        indices = sl.indices or [0]
+        weight = len(sl.indices) * size / sl.global_count
+        inputs, targets = self.collate_fn([self.data[i] for i in indices])
+        loss = self.loss_fn(self._wrapped(inputs), targets)
+        # Ranks may hold unequal shares of the last batch of an epoch; weighting by share
+        # makes the averaged gradient the exact mean over the global batch.
+        (loss * weight).backward()
         optimizer.step()
-        return loss_value
+        return float(loss.detach()) if sl.indices else None
 
-    def _agree_to_stop(self, preempt: list[int]) -> bool:
-        flag = torch.tensor([1.0 if preempt else 0.0])
-        return bool(hvd.allreduce(flag, op=hvd.Max, name="hvd_resilient.preempt").item() > 0)
-
-    def _stop_for_preemption(self, state: ElasticState, durable: DurableCheckpoints) -> None:
+    def _stop_for_preemption(self, state: Any, durable: DurableCheckpoints) -> None:
         t0 = time.time()
         state.commit()
         durable.save(blocking=True)
         durable.close(timeout=self.config.grace_seconds)
         state.events.emit("preempted", seconds=round(time.time() - t0, 3),
                           exit_code=PREEMPTED_EXIT_CODE)
-        if hvd.rank() == 0:
+        if self.backend.rank() == 0:
             logger.warning("stopping on a termination signal after a final checkpoint at step %d",
                            state.step)
         raise Preempted()

@@ -16,12 +16,14 @@ log() { printf '[install] %s\n' "$*" >&2; }
 # ---- system packages -------------------------------------------------------------------
 need_apt=()
 command -v mpirun >/dev/null 2>&1 || need_apt+=(openmpi-bin)
-[ -e /usr/include/x86_64-linux-gnu/openmpi/mpi.h ] || [ -n "$(ls /usr/lib/*/openmpi/include/mpi.h 2>/dev/null)" ] || need_apt+=(libopenmpi-dev)
+dpkg -s libopenmpi-dev >/dev/null 2>&1 || need_apt+=(libopenmpi-dev)
 command -v sshd >/dev/null 2>&1 || [ -x /usr/sbin/sshd ] || need_apt+=(openssh-server openssh-client)
 command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
 command -v tc >/dev/null 2>&1 || need_apt+=(iproute2)
 command -v cmake >/dev/null 2>&1 || need_apt+=(cmake)
 command -v g++ >/dev/null 2>&1 || need_apt+=(g++)
+command -v shellcheck >/dev/null 2>&1 || need_apt+=(shellcheck)   # tests lint the shell scripts
+command -v ssh-keygen >/dev/null 2>&1 || need_apt+=(openssh-client)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ]; then
     log "missing system packages: ${need_apt[*]}; run: sudo apt-get install -y ${need_apt[*]}"; exit 1
@@ -62,7 +64,7 @@ if ! "$VPY" -c 'import horovod.torch' >/dev/null 2>&1; then
     trap 'rm -rf "$build"' EXIT
     "$VPY" -m pip download -q --no-deps --no-binary :all: -d "$build" "horovod==$HOROVOD_VERSION"
     tar -xzf "$build"/horovod-*.tar.gz -C "$build"
-    src="$(ls -d "$build"/horovod-*/ | head -1)"
+    src="$(find "$build" -mindepth 1 -maxdepth 1 -type d -name "horovod-*" | head -1)"
     # torch >= 2.1 headers need C++17; Horovod 0.28.1 asks for C++14 (fixed upstream, unreleased).
     sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
     grep -q 'CMAKE_CXX_STANDARD 17' "$src/horovod/torch/CMakeLists.txt" || { log "C++17 patch did not apply"; exit 1; }
@@ -80,7 +82,7 @@ if ! "$VPY" -c 'import horovod.torch' >/dev/null 2>&1; then
 fi
 
 # ---- the project and the rest ----------------------------------------------------------
-pip_q -e "$ROOT[test]"
+pip_q -e "${ROOT}[test]"
 
 # ---- checks ----------------------------------------------------------------------------
 check="$("$VENV/bin/horovodrun" --check-build)"

@@ -24,6 +24,10 @@ from jobs import (
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 JOB = str(ROOT / "tests" / "scripts" / "elastic_job.py")
 DIGITS = str(ROOT / "examples" / "digits.py")
+# Survivors learn of a dead peer only at this timeout; it also bounds how long they wait for a
+# re-added worker to start (Python + torch imports), and Horovod aborts them when that wait runs
+# out (seen at 5 s on a loaded 2-core machine). 15 s keeps the tests robust.
+GLOO_TIMEOUT = "15"
 
 
 def commits(run: Path) -> list[dict]:
@@ -99,7 +103,7 @@ def test_kill_9_one_worker_of_two_hosts_loses_at_most_one_commit(tmp_path, jobs)
     commit_every = 5
     env = jobs.env(HVD_RESILIENT_FAULT="kill:rank=1:step=37")
     job = jobs.start(
-        horovodrun_elastic(discover, 2, 1, 2, "--gloo-timeout-seconds", "5",
+        horovodrun_elastic(discover, 2, 1, 2, "--gloo-timeout-seconds", GLOO_TIMEOUT,
                            "--blacklist-cooldown-range", "2", "4") + [
             PYTHON, JOB, "--run-dir", str(run), "--expect-sizes", "2,1,2",
             "--commit-every", str(commit_every),
@@ -133,7 +137,7 @@ def test_trainer_accuracy_after_elastic_failure_matches_fixed_run(tmp_path, jobs
     elastic.mkdir()
     _, discover = write_discovery(tmp_path, "localhost:1,127.0.0.1:1")
     job = jobs.start(
-        horovodrun_elastic(discover, 2, 1, 2, "--gloo-timeout-seconds", "5",
+        horovodrun_elastic(discover, 2, 1, 2, "--gloo-timeout-seconds", GLOO_TIMEOUT,
                            "--blacklist-cooldown-range", "2", "4") + [
             PYTHON, DIGITS, "--run-id", "elastic", "--run-dir", str(elastic), *common],
         env=jobs.env(HVD_RESILIENT_FAULT="kill:rank=1:step=101"), name="elastic",

@@ -86,3 +86,15 @@ def test_fault_plan_fires_once_per_run(tmp_path):
 def test_fault_plan_bad_spec():
     with pytest.raises(ConfigError, match="cannot parse 'explode:rank=1'"):
         FaultPlan.parse("explode:rank=1", "/tmp")
+
+
+def test_memory_growth_flagged_only_when_steady():
+    from hvd_resilient.memory import GrowthWatch, sample
+
+    w = GrowthWatch(resets=3, min_growth=0.10)
+    assert [w.at_reset(x) for x in (100, 105, 111)] == [None, None, None]
+    warning = w.at_reset(120)
+    assert warning and "+20%" in warning
+    flat = GrowthWatch(resets=3, min_growth=0.10)
+    assert all(flat.at_reset(x) is None for x in (100, 130, 120, 150, 140))
+    assert sample()["rss_bytes"] > 0

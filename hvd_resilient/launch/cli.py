@@ -16,11 +16,11 @@ from typing import Any
 
 from hvd_resilient.config import TrainConfig, load_file
 from hvd_resilient.errors import ConfigError, LaunchError
-from hvd_resilient.launch.commands import horovodrun_static, mpirun_command
+from hvd_resilient.launch.commands import horovodrun_static, mpirun_command, torchrun_command
 from hvd_resilient.launch.horovod import ElasticLaunch, horovodrun_command
 from hvd_resilient.launch.supervisor import Supervisor
 
-BACKENDS = ("horovod", "mpi")
+BACKENDS = ("horovod", "mpi", "torchrun")
 _SECRET = ("SECRET", "TOKEN", "PASSWORD", "CREDENTIAL")
 FORWARDED_PREFIXES = ("HVD_RESILIENT_", "AWS_", "PYTHONPATH", "OMP_NUM_THREADS")
 
@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=int)
     p.add_argument("--network-interface")
     p.add_argument("--gloo-timeout-seconds", type=int)
+    p.add_argument("--nnodes", help="torchrun: MIN:MAX nodes (default 1)")
+    p.add_argument("--rdzv-endpoint", help="torchrun: host:port of the c10d rendezvous")
+    p.add_argument("--torchrun-restarts", type=int,
+                   help="torchrun: in-job restarts before the supervisor relaunches (default 3)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the launcher command and environment, then exit")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- python train.py ARGS")
@@ -79,7 +83,8 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
     if opts.get("discovery") and opts.get("hosts"):
         raise ConfigError("run: give --hosts or --discovery, not both")
     if opts.get("discovery") and opts["backend"] != "horovod":
-        raise ConfigError("run: --discovery needs --backend horovod (MPI worlds cannot change)")
+        raise ConfigError("run: --discovery needs --backend horovod (torchrun and MPI find "
+                          "their hosts themselves)")
     if opts["max_restarts"] < 0:
         raise ConfigError("run: --max-restarts must be >= 0")
     # The training config the workers will build: validated here, once, before any launch.
@@ -94,6 +99,11 @@ def launcher_command(opts: dict[str, Any], env_names: list[str]) -> list[str]:
     train = opts["command"]
     if opts["backend"] == "mpi":
         return mpirun_command(opts["np"], hosts, env_names, train)
+    if opts["backend"] == "torchrun":
+        return torchrun_command(
+            opts["np"], opts.get("nnodes") or "1", opts.get("rdzv_endpoint") or "127.0.0.1:29400",
+            opts.get("torchrun_restarts", 3), opts["run_id"], train,
+        )
     if opts.get("discovery"):
         launch = ElasticLaunch(
             np=opts["np"], min_np=opts.get("min_np") or 1,

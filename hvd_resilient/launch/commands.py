@@ -51,3 +51,16 @@ def mpirun_command(np: int, hosts: list[tuple[str, int]] | None, env_names: list
     for name in sorted(env_names):
         cmd += ["-x", name]
     return cmd + train_cmd
+
+
+def torchrun_command(nproc_per_node: int, nnodes: str, rdzv_endpoint: str, max_restarts: int,
+                     run_id: str, train_cmd: list[str]) -> list[str]:
+    """torchrun with c10d rendezvous. `last_call_timeout=1`: with --nnodes MIN:MAX torchrun
+    otherwise waits 30 s for late nodes at every (re)start, even when all are there."""
+    if train_cmd[:1] and Path(train_cmd[0]).name.startswith("python"):
+        train_cmd = train_cmd[1:]  # torchrun runs the script with its own interpreter
+    return [require("torchrun", "run `make install` or activate .venv"),
+            "--nnodes", nnodes, "--nproc-per-node", str(nproc_per_node),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint,
+            "--rdzv-id", run_id, "--rdzv-conf", "last_call_timeout=1",
+            "--max-restarts", str(max_restarts), *train_cmd]

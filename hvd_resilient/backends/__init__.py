@@ -1,0 +1,37 @@
+"""The collective layer under the trainer: Horovod (elastic or MPI) or torch.distributed.
+
+`detect()` reads which launcher started this process; the trainer and the durable checkpoints
+talk to whichever backend through the small interface in `base.py`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from hvd_resilient.backends.base import Backend
+from hvd_resilient.errors import ConfigError
+
+NAMES = ("horovod", "torchrun")
+
+
+def detect(env: Mapping[str, str] = os.environ) -> str:
+    """torchrun sets TORCHELASTIC_RUN_ID; everything else (horovodrun, mpirun, srun, a plain
+    single process) runs on Horovod."""
+    return "torchrun" if "TORCHELASTIC_RUN_ID" in env else "horovod"
+
+
+def get(name: str | None = None) -> Backend:
+    name = name or detect()
+    if name == "horovod":
+        from hvd_resilient.backends.horovod import HorovodBackend
+
+        return HorovodBackend()
+    if name == "torchrun":
+        from hvd_resilient.backends.torch_dist import TorchDistBackend
+
+        return TorchDistBackend()
+    raise ConfigError(f"backend must be one of {', '.join(NAMES)}, got {name!r}")
+
+
+__all__ = ["Backend", "NAMES", "detect", "get"]

@@ -1,0 +1,48 @@
+"""What the trainer needs from a collective backend, and nothing more."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from typing import Any
+
+
+class Backend(abc.ABC):
+    name: str
+    resume_on_every_rank: bool
+    """True when every rank reads the durable checkpoint itself (torchrun: all workers start
+    together and nothing is in memory); False when rank 0 reads it and a sync spreads it."""
+
+    @abc.abstractmethod
+    def init(self, comm: Any | None = None) -> None: ...
+
+    @abc.abstractmethod
+    def rank(self) -> int: ...
+
+    @abc.abstractmethod
+    def size(self) -> int: ...
+
+    @abc.abstractmethod
+    def local_size(self) -> int: ...
+
+    @abc.abstractmethod
+    def wrap(self, model: Any, optimizer: Any) -> tuple[Any, Any]:
+        """The model and optimizer that average gradients across ranks."""
+
+    @abc.abstractmethod
+    def make_state(self, model: Any, optimizer: Any, **kwargs: Any) -> Any: ...
+
+    @abc.abstractmethod
+    def run(self, fn: Callable[[Any], None], state: Any) -> None:
+        """Runs the training function, recovering in memory where the backend can."""
+
+    @abc.abstractmethod
+    def allgather_object(self, obj: Any) -> list[Any]: ...
+
+    @abc.abstractmethod
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank if it is True on any rank (a collective)."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Releases the process group; a no-op where the launcher owns it."""

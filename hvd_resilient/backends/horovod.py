@@ -1,0 +1,51 @@
+"""Horovod: elastic under horovodrun (Gloo), static under mpirun/srun (MPI controller)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import horovod.torch as hvd
+import torch
+
+from hvd_resilient import elastic, hvd_init
+from hvd_resilient.backends.base import Backend
+from hvd_resilient.state import ElasticState
+
+
+class HorovodBackend(Backend):
+    name = "horovod"
+    resume_on_every_rank = False
+
+    def init(self, comm: Any | None = None) -> None:
+        hvd_init.init(comm)
+
+    def rank(self) -> int:
+        return hvd.rank()
+
+    def size(self) -> int:
+        return hvd.size()
+
+    def local_size(self) -> int:
+        return hvd.local_size()
+
+    def wrap(self, model: Any, optimizer: Any) -> tuple[Any, Any]:
+        return model, hvd.DistributedOptimizer(
+            optimizer, named_parameters=model.named_parameters()
+        )
+
+    def make_state(self, model: Any, optimizer: Any, **kwargs: Any) -> ElasticState:
+        return ElasticState(model, optimizer, **kwargs)
+
+    def run(self, fn: Callable[[Any], None], state: Any) -> None:
+        elastic.run(fn)(state)
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        return hvd.allgather_object(obj)
+
+    def any_rank(self, flag: bool) -> bool:
+        t = torch.tensor([1.0 if flag else 0.0])
+        return bool(hvd.allreduce(t, op=hvd.Max, name="hvd_resilient.any_rank").item() > 0)
+
+    def shutdown(self) -> None:
+        """Horovod stays up: the user may still run collectives after fit()."""

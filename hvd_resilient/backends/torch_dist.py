@@ -1,0 +1,81 @@
+"""torch.distributed under torchrun: DDP over NCCL on GPUs, Gloo on CPUs.
+
+torchrun restarts every worker after a failure; the restarted workers resume from the newest
+durable checkpoint. A plain `init_process_group` hangs after such a restart: the workers share
+the agent's store with the dead round, and Gloo reads the dead processes' addresses from it.
+Keys of each round live under their own prefix here, so a restarted round never sees them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hvd_resilient.backends.base import Backend
+from hvd_resilient.torchrun_state import TorchrunState
+
+INIT_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("HVD_RESILIENT_PG_TIMEOUT", "300")))
+
+
+class TorchDistBackend(Backend):
+    name = "torchrun"
+    resume_on_every_rank = True
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+
+    def init(self, comm: Any | None = None) -> None:
+        env = os.environ
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        use_cuda = torch.cuda.is_available()
+        if use_cuda:
+            self.device = torch.device("cuda", int(env.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(self.device)
+        restart = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+        base = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size=world,
+                             is_master=False, timeout=INIT_TIMEOUT)
+        store = dist.PrefixStore(f"hvd_resilient/round{restart}/", base)
+        dist.init_process_group("nccl" if use_cuda else "gloo", store=store, rank=rank,
+                                world_size=world, timeout=INIT_TIMEOUT)
+
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    def size(self) -> int:
+        return dist.get_world_size()
+
+    def local_size(self) -> int:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+    def wrap(self, model: Any, optimizer: Any) -> tuple[Any, Any]:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model.to(self.device)
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return DDP(model, device_ids=ids), optimizer
+
+    def make_state(self, model: Any, optimizer: Any, **kwargs: Any) -> TorchrunState:
+        return TorchrunState(model, optimizer, rank=self.rank, size=self.size, **kwargs)
+
+    def run(self, fn: Callable[[Any], None], state: Any) -> None:
+        state.sync()
+        fn(state)
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.size()
+        dist.all_gather_object(out, obj)
+        return out
+
+    def any_rank(self, flag: bool) -> bool:
+        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item() > 0)
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

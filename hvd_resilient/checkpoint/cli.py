@@ -1,0 +1,168 @@
+"""``hvd-resilient ckpt list|show|verify|prune URL``: look at durable checkpoints.
+
+Exit codes: 0 fine, 1 ``verify`` found a bad checkpoint, 2 usage or storage error. Errors are
+one line on stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import TextIO
+
+from hvd_resilient.checkpoint.manager import CheckpointError, CheckpointManager, ScanResult
+from hvd_resilient.checkpoint.manifest import CheckpointInfo, step_dir
+from hvd_resilient.checkpoint.store import StoreError
+
+HEADER = ("STEP", "EPOCH", "WORLD", "CREATED (UTC)", "SIZE", "FILES", "STATE")
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def _created(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ts)) if ts else "-"
+
+
+def _row(info: CheckpointInfo, state: str) -> tuple[str, ...]:
+    return (str(info.step), str(info.epoch), str(info.world_size), _created(info.created),
+            human_bytes(info.total_bytes), str(len(info.files)), state)
+
+
+def _table(rows: list[tuple[str, ...]], out: TextIO) -> None:
+    widths = [max(len(r[i]) for r in [HEADER, *rows]) for i in range(len(HEADER))]
+    for r in [HEADER, *rows]:
+        out.write("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() + "\n")
+
+
+def _other_rows(scan: ScanResult) -> list[tuple[int, tuple[str, ...]]]:
+    rows = [(s, (str(s), "-", "-", "-", "-", str(len(k)), "partial (no manifest)"))
+            for s, k in scan.partial.items()]
+    rows += [(s, (str(s), "-", "-", "-", "-", "-", f"invalid manifest: {r}"))
+             for s, r in scan.invalid.items()]
+    return rows
+
+
+def _pick(scan: ScanResult, step: int | None) -> list[CheckpointInfo]:
+    if step is None:
+        return scan.checkpoints
+    found = [i for i in scan.checkpoints if i.step == step]
+    if not found:
+        raise CheckpointError(f"no complete checkpoint {step_dir(step)}")
+    return found
+
+
+def _cmd_list(mgr: CheckpointManager, args: argparse.Namespace, out: TextIO) -> int:
+    scan = mgr.scan()
+    rows = [(i.step, _row(i, "complete (not re-hashed)")) for i in scan.checkpoints]
+    rows += _other_rows(scan)
+    if not rows:
+        out.write(f"no checkpoints at {mgr.url}\n")
+        return 0
+    _table([r for _, r in sorted(rows)], out)
+    return 0
+
+
+def _cmd_show(mgr: CheckpointManager, args: argparse.Namespace, out: TextIO) -> int:
+    scan = mgr.scan()
+    if not scan.checkpoints:
+        raise CheckpointError(f"no complete checkpoints at {mgr.url}")
+    info = _pick(scan, args.step)[-1]
+    out.write(f"url:             {info.url}\n")
+    out.write(f"step:            {info.step}\nepoch:           {info.epoch}\n")
+    out.write(f"world size:      {info.world_size}\nrun id:          {info.run_id or '-'}\n")
+    out.write(f"created (UTC):   {_created(info.created)}\n")
+    out.write(f"versions:        hvd_resilient {info.library_version}, "
+              f"torch {info.torch_version}\n")
+    out.write(f"size:            {human_bytes(info.total_bytes)} ({info.total_bytes} bytes)\n")
+    out.write("files:\n")
+    for name, f in sorted(info.files.items()):
+        out.write(f"  {name}  {f.size} bytes  sha256 {f.sha256}\n")
+    if info.meta:
+        out.write(f"meta:            {json.dumps(info.meta, sort_keys=True)}\n")
+    return 0
+
+
+def _cmd_verify(mgr: CheckpointManager, args: argparse.Namespace, out: TextIO) -> int:
+    scan = mgr.scan()
+    rows: list[tuple[int, tuple[str, ...]]] = []
+    bad = len(scan.invalid) if args.step is None else 0
+    for info in _pick(scan, args.step):
+        problems = mgr.verify(info)
+        bad += bool(problems)
+        rows.append((info.step, _row(info, "BAD: " + "; ".join(problems) if problems else "ok")))
+    if args.step is None:
+        rows += _other_rows(scan)
+    if not rows:
+        out.write(f"no checkpoints at {mgr.url}\n")
+        return 0
+    _table([r for _, r in sorted(rows)], out)
+    return 1 if bad else 0
+
+
+def _cmd_prune(mgr: CheckpointManager, args: argparse.Namespace, out: TextIO) -> int:
+    removed = mgr.prune(dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    names = ", ".join(step_dir(s) for s in removed) or "nothing"
+    out.write(f"{verb}: {names}\n")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hvd-resilient ckpt", description="Inspect and maintain durable checkpoints."
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    helps = {
+        "list": "table of checkpoints (manifests only, fast)",
+        "show": "one checkpoint's manifest (default: the newest)",
+        "verify": "re-download and re-hash every file; exit 1 if any is bad",
+        "prune": "apply retention: keep the newest K and every M-th step",
+    }
+    for name, text in helps.items():
+        sp = sub.add_parser(name, help=text, description=text)
+        sp.add_argument("url", help="file:///path, s3://bucket/prefix or a path")
+        sp.add_argument("--endpoint-url", help="S3-compatible endpoint (default: AWS chain)")
+        if name in ("show", "verify"):
+            sp.add_argument("--step", type=int, help="only this step")
+        if name == "prune":
+            sp.add_argument("--keep-last", type=int, required=True, help="newest K to keep")
+            sp.add_argument("--keep-every", type=int, default=0,
+                            help="also keep steps divisible by M (0: none)")
+            sp.add_argument("--dry-run", action="store_true", help="only print")
+    return p
+
+
+COMMANDS = {"list": _cmd_list, "show": _cmd_show, "verify": _cmd_verify, "prune": _cmd_prune}
+
+
+def main(argv: list[str], out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """Run ``hvd-resilient ckpt ARGV``; return the exit code."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:  # argparse has printed usage / help already
+        return int(e.code or 0) if isinstance(e.code, int) else 2
+    options = {"endpoint_url": args.endpoint_url} if args.endpoint_url else {}
+    try:
+        mgr = CheckpointManager(
+            args.url,
+            keep_last=getattr(args, "keep_last", 0),
+            keep_every=getattr(args, "keep_every", 0),
+            **options,
+        )
+        return COMMANDS[args.command](mgr, args, out)
+    except (StoreError, CheckpointError, ValueError) as e:
+        err.write(f"hvd-resilient ckpt {args.command}: error: {' '.join(str(e).split())}\n")
+        return 2
+    except KeyboardInterrupt:
+        err.write("hvd-resilient ckpt: interrupted\n")
+        return 130

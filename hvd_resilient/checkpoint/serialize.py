@@ -1,0 +1,134 @@
+"""Turning training state into checkpoint bytes and back.
+
+The split matters for stalls: :func:`snapshot_state_dict` is the only part that runs inside
+the training step (a memory copy, tens of ms per 100 MB); serialization and upload of the
+snapshot happen on the writer's background thread. Loading uses ``weights_only=True`` so a
+tampered checkpoint cannot run code.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint's keys do not match what the model/optimizer expects."""
+
+
+def to_buffer(obj: Any) -> memoryview:
+    """``torch.save(obj)`` into memory, returned without the final copy ``getvalue`` makes."""
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getbuffer()
+
+
+def to_bytes(obj: Any) -> bytes:
+    """``torch.save(obj)`` into a ``bytes`` object."""
+    return bytes(to_buffer(obj))
+
+
+def from_bytes(data: bytes | bytearray | memoryview, *, weights_only: bool = True) -> Any:
+    """Load what :func:`to_bytes` stored, onto the CPU.
+
+    ``weights_only=True`` (the default) only unpickles tensors, containers and plain values;
+    state holding other types (e.g. NumPy RNG states) must be stored in another form or
+    loaded with ``weights_only=False`` from a trusted location.
+
+    Raises:
+        pickle.UnpicklingError / RuntimeError: from ``torch.load`` on bad or disallowed data.
+    """
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=weights_only, map_location="cpu")
+
+
+def snapshot_state_dict(sd: T) -> T:
+    """A copy of ``sd`` whose tensors are detached CPU clones, safe to serialize on another
+    thread while training keeps mutating the originals.
+
+    Nested dicts/lists/tuples (optimizer state) are rebuilt, a tensor that appears twice (tied
+    weights) is copied once and stays shared, ``OrderedDict._metadata`` (module versions that
+    ``load_state_dict`` reads) is kept, and other leaves are deep-copied.
+    """
+    import torch
+
+    memo: dict[Any, Any] = {}
+
+    def snap(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            key = _alias_key(obj)
+            found = memo.get(key)
+            if found is None:
+                found = memo[key] = obj.detach().to("cpu", copy=True)
+            return found
+        if isinstance(obj, dict):
+            out: dict[Any, Any] = OrderedDict() if isinstance(obj, OrderedDict) else {}
+            for k, v in obj.items():
+                out[k] = snap(v)
+            meta = getattr(obj, "_metadata", None)
+            if meta is not None and isinstance(out, OrderedDict):
+                out._metadata = copy.deepcopy(meta)  # type: ignore[attr-defined]
+            return out
+        if isinstance(obj, list):
+            return [snap(v) for v in obj]
+        if isinstance(obj, tuple):
+            items = [snap(v) for v in obj]
+            return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+        if obj is None or isinstance(obj, int | float | str | bool | bytes):
+            return obj
+        return copy.deepcopy(obj)
+
+    return snap(sd)
+
+
+def _alias_key(t: Any) -> Any:
+    """Same key for tensors that are the same view of the same memory.
+
+    ``state_dict()`` returns a fresh ``detach()``-ed tensor object per entry, so tied weights
+    arrive as different objects over one storage; keying on the memory keeps them tied.
+    """
+    try:
+        return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+                tuple(t.stride()), t.dtype, t.device)
+    except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
+        return id(t)
+
+
+def _clip(keys: list[str], limit: int) -> str:
+    shown = ", ".join(keys[:limit])
+    return f"{shown}, ... and {len(keys) - limit} more" if len(keys) > limit else shown
+
+
+def check_state_dict_keys(
+    expected_keys: Iterable[str],
+    loaded_keys: Iterable[str],
+    what: str = "state dict",
+    limit: int = 8,
+) -> None:
+    """Fail with one clear line if the checkpoint's keys differ from the expected ones.
+
+    Raises:
+        CheckpointMismatchError: e.g. ``model state dict does not match the checkpoint:
+            missing keys (2): fc.bias, fc.weight; unexpected keys (1): head.weight``.
+    """
+    expected, loaded = set(expected_keys), set(loaded_keys)
+    missing = sorted(map(str, expected - loaded))
+    unexpected = sorted(map(str, loaded - expected))
+    if not missing and not unexpected:
+        return
+    parts = []
+    if missing:
+        parts.append(f"missing keys ({len(missing)}): {_clip(missing, limit)}")
+    if unexpected:
+        parts.append(f"unexpected keys ({len(unexpected)}): {_clip(unexpected, limit)}")
+    raise CheckpointMismatchError(
+        f"{what} does not match the checkpoint: {'; '.join(parts)}"
+    )

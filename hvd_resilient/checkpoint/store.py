@@ -1,0 +1,282 @@
+"""The storage contract every checkpoint backend satisfies, and its typed errors.
+
+Keys are ``str`` paths relative to the store's base URL (``step-0000000010/state.pt``), never
+``pathlib.Path``: a URI such as ``s3://bucket/x`` would be mangled by ``Path``. Backends fill
+in the ``_``-prefixed methods; the public methods here own key validation and the retry of
+transient errors, so that behaviour lives in one place and backends stay short.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import random
+import time
+from collections.abc import Callable, Iterable
+from typing import TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+logger = logging.getLogger(__name__)
+
+#: What ``put`` accepts: anything exposing the buffer protocol as contiguous bytes.
+Buffer = bytes | bytearray | memoryview
+
+T = TypeVar("T")
+
+
+class StoreError(Exception):
+    """Base of every error a store raises; the message is one line, free of secrets."""
+
+
+class TransientStoreError(StoreError):
+    """A failure that may pass on its own (throttling, 5xx, timeouts, refused connections).
+
+    The public store methods retry these with capped, jittered exponential backoff before
+    letting one escape.
+    """
+
+
+class StorePermissionError(StoreError):
+    """The credentials are valid but not allowed to do this (HTTP 403 / AccessDenied).
+
+    Deliberately never folded into not-found: a resume that treats "forbidden" as "no
+    checkpoint" silently restarts training from step 0.
+    """
+
+
+class StoreNotFoundError(StoreError):
+    """The key does not exist."""
+
+
+class StoreConfigError(StoreError):
+    """The store cannot work as configured: bad URL, missing bucket, rejected or absent
+    credentials, missing client library. Retrying will not help; the message says what to fix.
+    """
+
+
+class SizeMismatchError(StoreError):
+    """The stored object's size differs from the size the caller expected (torn or replaced)."""
+
+
+def redact_url(url: str) -> str:
+    """Return ``url`` with any ``user:password@`` part removed, for logs and messages."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable url>"
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
+
+
+def validate_key(key: str) -> str:
+    """Reject keys that could escape the base location or alias another key.
+
+    Raises:
+        ValueError: empty key, leading ``/``, backslash, or an empty / ``.`` / ``..`` part.
+    """
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"store key must be a non-empty string, got {key!r}")
+    if key.startswith("/") or "\\" in key or "\x00" in key:
+        raise ValueError(f"store key {key!r} must be relative and use '/' separators")
+    for part in key.split("/"):
+        if part in ("", ".", ".."):
+            raise ValueError(f"store key {key!r} has an empty, '.' or '..' part")
+    return key
+
+
+class CheckpointStore(abc.ABC):
+    """A flat namespace of byte objects under one base URL.
+
+    Args:
+        retries: how many times a ``TransientStoreError`` is retried (0 = never).
+        backoff_base: first backoff delay in seconds; doubles per attempt.
+        backoff_cap: the longest single backoff delay in seconds.
+    """
+
+    #: The base URL without credentials; safe to log and to put into events.
+    url: str
+
+    def __init__(
+        self, *, retries: int = 3, backoff_base: float = 0.5, backoff_cap: float = 8.0
+    ) -> None:
+        if retries < 0:
+            raise ValueError(f"retries must be >= 0, got {retries}")
+        self.retries = retries
+        self.backoff_base = backoff_base
+        self.backoff_cap = backoff_cap
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+    # ---- public contract ------------------------------------------------------------------
+
+    def put(self, key: str, data: Buffer) -> None:
+        """Store ``data`` under ``key`` atomically: readers see the old object or the whole new
+        one, never a prefix.
+
+        Raises:
+            StorePermissionError, StoreConfigError, TransientStoreError (after retries),
+            StoreError: anything else the backend reports.
+        """
+        validate_key(key)
+        self._retry("put", key, lambda: self._put(key, memoryview(data).cast("B")))
+
+    def put_file(self, key: str, path: str) -> None:
+        """Store the contents of the local file ``path`` under ``key`` (atomically).
+
+        Raises:
+            FileNotFoundError: ``path`` does not exist locally.
+            StorePermissionError, StoreConfigError, TransientStoreError, StoreError: as ``put``.
+        """
+        validate_key(key)
+        self._retry("put_file", key, lambda: self._put_file(key, path))
+
+    def get(self, key: str) -> bytes | bytearray:
+        """Return the whole object stored under ``key``.
+
+        Raises:
+            StoreNotFoundError: no such key.
+            StorePermissionError, StoreConfigError, TransientStoreError, StoreError.
+        """
+        validate_key(key)
+        return self._retry("get", key, lambda: self._get(key))
+
+    def get_into(self, key: str, size: int) -> bytearray:
+        """Return the object under ``key`` in one preallocated buffer of exactly ``size`` bytes.
+
+        Knowing the size up front (from a manifest) lets a backend skip a metadata request and
+        fetch ranges in parallel straight into their final place.
+
+        Raises:
+            StoreNotFoundError: no such key.
+            SizeMismatchError: the stored object is not ``size`` bytes long.
+            StorePermissionError, StoreConfigError, TransientStoreError, StoreError.
+        """
+        validate_key(key)
+        if size < 0:
+            raise ValueError(f"size must be >= 0, got {size}")
+        return self._retry("get", key, lambda: self._get_into(key, size))
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Return the sorted keys that start with ``prefix`` (a plain string prefix, like S3).
+
+        Raises:
+            StorePermissionError, StoreConfigError, TransientStoreError, StoreError.
+        """
+        return self._retry("list", prefix or "<all>", lambda: sorted(self._list(prefix)))
+
+    def delete(self, keys: Iterable[str]) -> None:
+        """Delete ``keys``; keys that do not exist are ignored (deletion is idempotent).
+
+        Raises:
+            StorePermissionError, StoreConfigError, TransientStoreError, StoreError.
+        """
+        todo = [validate_key(k) for k in keys]
+        if todo:
+            self._retry("delete", f"{len(todo)} keys", lambda: self._delete(todo))
+
+    def exists(self, key: str) -> bool:
+        """Whether ``key`` exists.
+
+        Raises:
+            StorePermissionError: forbidden to look (never reported as "does not exist").
+            StoreConfigError, TransientStoreError, StoreError.
+        """
+        validate_key(key)
+        return self._retry("exists", key, lambda: self._exists(key))
+
+    def close(self) -> None:  # noqa: B027 - optional hook, most backends hold nothing
+        """Release connections and threads; the store must not be used afterwards."""
+
+    # ---- backend hooks --------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _put(self, key: str, data: memoryview) -> None: ...
+
+    def _put_file(self, key: str, path: str) -> None:
+        with open(path, "rb") as f:
+            self._put(key, memoryview(f.read()))
+
+    @abc.abstractmethod
+    def _get(self, key: str) -> bytes | bytearray: ...
+
+    def _get_into(self, key: str, size: int) -> bytearray:
+        data = self._get(key)
+        if len(data) != size:
+            raise SizeMismatchError(f"{self.url}/{key}: expected {size} bytes, found {len(data)}")
+        return data if isinstance(data, bytearray) else bytearray(data)
+
+    @abc.abstractmethod
+    def _list(self, prefix: str) -> Iterable[str]: ...
+
+    @abc.abstractmethod
+    def _delete(self, keys: list[str]) -> None: ...
+
+    @abc.abstractmethod
+    def _exists(self, key: str) -> bool: ...
+
+    # ---- retry ----------------------------------------------------------------------------
+
+    def _retry(self, op: str, what: str, fn: Callable[[], T]) -> T:
+        """Run ``fn``; retry ``TransientStoreError`` with capped, fully jittered backoff."""
+        attempt = 0
+        while True:
+            try:
+                return fn()
+            except TransientStoreError as e:
+                if attempt >= self.retries:
+                    raise
+                delay = random.uniform(0, min(self.backoff_cap, self.backoff_base * 2**attempt))
+                attempt += 1
+                logger.warning(
+                    "%s %s/%s failed (%s); retry %d/%d in %.1fs",
+                    op, self.url, what, e, attempt, self.retries, delay,
+                )
+                time.sleep(delay)
+
+
+def open_store(url: str, **options: object) -> CheckpointStore:
+    """Open the store behind a checkpoint URL.
+
+    ``file:///abs/path`` and plain paths give a :class:`FileStore`; ``s3://bucket/prefix`` an
+    :class:`S3Store` (``options`` go to its constructor: ``endpoint_url``, ``sse``, ...).
+
+    Raises:
+        StoreConfigError: unsupported scheme, credentials embedded in the URL, missing bucket,
+            or (S3) anything the backend's startup check finds wrong.
+    """
+    if not isinstance(url, str) or not url.strip():
+        raise StoreConfigError("checkpoint URL is empty; use file:///path or s3://bucket/prefix")
+    try:
+        parts = urlsplit(url)
+    except ValueError as e:
+        raise StoreConfigError(f"checkpoint URL {redact_url(url)!r} is malformed: {e}") from None
+    scheme = parts.scheme.lower()
+    if parts.username is not None or parts.password is not None:
+        # Secrets in a URL end up in shell history, process lists and logs: refuse them.
+        raise StoreConfigError(
+            f"checkpoint URL {redact_url(url)!r} embeds credentials; use the AWS credential "
+            "chain (AWS_ACCESS_KEY_ID / AWS_PROFILE / instance role) instead"
+        )
+    if scheme == "file" or (scheme == "" and url):
+        from hvd_resilient.checkpoint.file_store import FileStore
+
+        if scheme == "file" and parts.netloc not in ("", "localhost"):
+            raise StoreConfigError(
+                f"file URL {url!r} names host {parts.netloc!r}; use file:///absolute/path"
+            )
+        return FileStore(parts.path if scheme == "file" else url, **options)  # type: ignore[arg-type]
+    if scheme == "s3":
+        from hvd_resilient.checkpoint.s3_store import S3Store
+
+        if not parts.netloc:
+            raise StoreConfigError(f"S3 URL {url!r} has no bucket; use s3://bucket/prefix")
+        return S3Store(parts.netloc, parts.path.strip("/"), **options)  # type: ignore[arg-type]
+    raise StoreConfigError(
+        f"unsupported checkpoint URL scheme {scheme!r} in {redact_url(url)!r}; "
+        "use file:///path or s3://bucket/prefix"
+    )

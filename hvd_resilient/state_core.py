@@ -1,0 +1,122 @@
+"""What every training state holds and how it becomes a checkpoint, whatever the backend.
+
+Horovod's elastic state (`state.ElasticState`) and the torchrun state
+(`torchrun_state.TorchrunState`) differ only in how they survive: in memory with
+commit/restore/broadcast, or not at all (torchrun restarts every worker, so recovery is the
+durable checkpoint). The parts below are shared: the checkpoint dict, the first-sync random
+streams, learning-rate scaling and the parameter digest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from hvd_resilient import rng
+from hvd_resilient.log import get
+
+log = get("state")
+
+
+def lr_scale_for(rule: str, world_size: int) -> float:
+    return float(world_size) if rule == "linear" else 1.0
+
+
+class StateCore:
+    """Mixin; the concrete state sets model, optimizer, sampler, scheduler, step, samples,
+    lr_scale, resume_rng, _seed, _lr_scaling, _extra_names and provides _rank()/_size()."""
+
+    model: Any
+    optimizer: Any
+    sampler: Any
+    scheduler: Any
+    step: int
+    samples: int
+    lr_scale: float
+    resume_rng: dict[str, Any] | None
+    _seed: int
+    _lr_scaling: str
+    _extra_names: tuple[str, ...]
+
+    def _rank(self) -> int:
+        raise NotImplementedError
+
+    def _size(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
+    def params_sha256(self) -> str:
+        """One digest of every parameter and buffer: equal across ranks iff they agree."""
+        h = hashlib.sha256()
+        for name, t in sorted(self.model.state_dict().items()):
+            h.update(name.encode())
+            h.update(t.detach().cpu().contiguous().numpy().tobytes())
+        return h.hexdigest()
+
+    # -- after a (re)start ------------------------------------------------------------------
+    def _apply_start_rng(self) -> None:
+        """Each rank gets its own saved streams back when the world size matches the
+        checkpoint's (a bit-identical resume); otherwise streams derived from the seed."""
+        resume = self.resume_rng
+        r, n = self._rank(), self._size()
+        if resume is not None and resume.get("world_size") == n:
+            rng.restore(resume["streams"][r])
+        else:
+            rng.seed_all(rng.derived_seed(self._seed, "rank", r, "step", self.step))
+        self.resume_rng = None
+
+    def _apply_lr_scaling(self) -> None:
+        target = lr_scale_for(self._lr_scaling, self._size())
+        if target == self.lr_scale:
+            return
+        factor = target / self.lr_scale
+        for group in self.optimizer.param_groups:
+            group["lr"] *= factor
+            if "initial_lr" in group:
+                group["initial_lr"] *= factor
+        if self.scheduler is not None and hasattr(self.scheduler, "base_lrs"):
+            self.scheduler.base_lrs = [lr * factor for lr in self.scheduler.base_lrs]
+        log.info("learning rate scaled x%g for world size %d (%s)", factor, self._size(),
+                 self._lr_scaling)
+        self.lr_scale = target
+
+    # -- durable checkpoints ------------------------------------------------------------------
+    def checkpoint_state(self, rng_streams: list[dict[str, Any]]) -> dict[str, Any]:
+        """A plain dict of the current state; tensors are shared, the caller snapshots them."""
+        out: dict[str, Any] = {
+            "model": _unwrapped(self.model).state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "counters": {"step": self.step, "samples": self.samples, "lr_scale": self.lr_scale},
+            "rng": {"world_size": len(rng_streams), "streams": rng_streams},
+            "extras": {k: getattr(self, k) for k in self._extra_names},
+        }
+        if self.scheduler is not None:
+            out["scheduler"] = self.scheduler.state_dict()
+        return out
+
+    def load_checkpoint_state(self, sd: dict[str, Any]) -> None:
+        """Applies a durable checkpoint locally (no collective)."""
+        _unwrapped(self.model).load_state_dict(sd["model"])
+        self.optimizer.load_state_dict(sd["optimizer"])
+        self.sampler.load_state_dict(sd["sampler"])
+        if self.scheduler is not None and "scheduler" in sd:
+            self.scheduler.load_state_dict(sd["scheduler"])
+        c = sd["counters"]
+        self.step, self.samples, self.lr_scale = int(c["step"]), int(c["samples"]), c["lr_scale"]
+        for k, v in sd.get("extras", {}).items():
+            if k in self._extra_names:
+                setattr(self, k, v)
+        self.resume_rng = sd.get("rng")
+
+    def model_keys(self) -> set[str]:
+        return set(_unwrapped(self.model).state_dict())
+
+
+def _unwrapped(model: Any) -> Any:
+    """DDP prefixes every key with `module.`; checkpoints hold the plain model's keys, so a
+    checkpoint written under one launcher loads under another."""
+    return getattr(model, "module", model)

@@ -1,0 +1,59 @@
+"""Training state under torchrun: nothing survives in memory (torchrun restarts every worker),
+so there is nothing to commit; recovery is the durable checkpoint every rank reads on start."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hvd_resilient.events import EventLog
+from hvd_resilient.sampler import ElasticDataSampler
+from hvd_resilient.state_core import StateCore
+
+
+class TorchrunState(StateCore):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        rank: Callable[[], int],
+        size: Callable[[], int],
+        sampler: ElasticDataSampler,
+        scheduler: Any | None = None,
+        seed: int = 0,
+        lr_scaling: str = "none",
+        events: EventLog | None = None,
+        **extras: Any,
+    ) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.sampler, self.scheduler = sampler, scheduler
+        self._rank_fn, self._size_fn = rank, size
+        self._seed, self._lr_scaling = seed, lr_scaling
+        self._extra_names = tuple(extras)
+        for k, v in extras.items():
+            setattr(self, k, v)
+        self.step = self.samples = 0
+        self.lr_scale = 1.0
+        self.resume_rng: dict[str, Any] | None = None
+        self.last_commit_step = 0
+        self.events = events or EventLog(None)
+        if self.events.step_source is None:
+            self.events.step_source = lambda: self.step
+
+    def _rank(self) -> int:
+        return self._rank_fn()
+
+    def _size(self) -> int:
+        return self._size_fn()
+
+    def sync(self) -> None:
+        """DDP's constructor already broadcast rank 0's parameters, and every rank loaded the
+        same checkpoint: only the per-rank parts are left."""
+        self._apply_start_rng()
+        self._apply_lr_scaling()
+
+    def commit(self) -> None:
+        self.last_commit_step = self.step
