@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast lint demo bench chaos clean
+.PHONY: install test test-fast lint demo bench chaos image clean
 
 $(STAMP): pyproject.toml scripts/install.sh
 	bash scripts/install.sh
@@ -22,6 +22,11 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check hvd_resilient discovery tests examples bench
+	shellcheck -x scripts/install.sh .ci/run examples/slurm/train.sbatch docker/*.sh docker/chaos/*.sh
+
+# Needs a Docker engine (none on the project's CI machines): see docs/containers.md.
+image:
+	docker build -f docker/Dockerfile -t hvd-resilient:cpu .
 
 demo: $(STAMP)
 	$(VENV)/bin/hvd-resilient demo

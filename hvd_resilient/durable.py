@@ -105,13 +105,17 @@ class DurableCheckpoints:
         self._last_save_time = time.time()
         if self.backend.rank() != 0:
             return
-        snapshot = {STATE_FILE: snapshot_state_dict(self.state.checkpoint_state(streams))}
+        def payload() -> dict[str, Any]:
+            return {STATE_FILE: snapshot_state_dict(self.state.checkpoint_state(streams))}
+
         kwargs = dict(step=self.state.step, epoch=self.state.epoch, world_size=self.backend.size(),
-                      payload=snapshot, run_id=self.config.run_id)
+                      run_id=self.config.run_id)
         if blocking:
-            self.writer.save_sync(**kwargs, timeout=self.config.grace_seconds)
+            self.writer.save_sync(**kwargs, payload=payload, timeout=self.config.grace_seconds)
         else:
-            self.writer.submit(**kwargs, stall_seconds=time.perf_counter() - t0)
+            # A callable: the writer drops an older pending snapshot before making this one, so
+            # at most two copies of the state are in host memory (one uploading, one pending).
+            self.writer.submit(**kwargs, payload=payload, stall_before=time.perf_counter() - t0)
 
     def close(self, timeout: float | None = None) -> None:
         if self._writer is not None:

@@ -22,6 +22,7 @@ command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
 command -v tc >/dev/null 2>&1 || need_apt+=(iproute2)
 command -v cmake >/dev/null 2>&1 || need_apt+=(cmake)
 command -v g++ >/dev/null 2>&1 || need_apt+=(g++)
+command -v make >/dev/null 2>&1 || need_apt+=(make)                # slim images lack it
 command -v shellcheck >/dev/null 2>&1 || need_apt+=(shellcheck)   # tests lint the shell scripts
 command -v ssh-keygen >/dev/null 2>&1 || need_apt+=(openssh-client)
 if [ ${#need_apt[@]} -gt 0 ]; then

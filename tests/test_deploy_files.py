@@ -318,8 +318,8 @@ def test_build_matrix_resolves_to_well_formed_from_lines():
         cuda = re.search(r"nvidia/cuda:(\d+)\.(\d+)", image)
         if cuda:  # torch's CUDA build must match the toolkit Horovod's NCCL ops compile against
             index = s.get("TORCH_INDEX_URL", "")
-            assert index.endswith(f"/whl/cu{cuda.group(1)}{cuda.group(2)}"), (
-                f"{image} needs --build-arg TORCH_INDEX_URL=.../whl/cu{cuda.group(1)}"
+            assert index.strip('"').endswith(f"/cu{cuda.group(1)}{cuda.group(2)}"), (
+                f"{image} needs --build-arg TORCH_INDEX_URL=.../cu{cuda.group(1)}"
                 f"{cuda.group(2)}, got {index!r}")
             assert "devel" in image, "the CUDA base must be a -devel image (nvcc for Horovod)"
     assert not IMAGE_REF.match("nvidia/cuda:12.8 devel"), "the reference check must reject this"
@@ -391,10 +391,10 @@ def test_compose_workers_setup_and_hostfile_agree():
         assert w["environment"]["HVD_RESILIENT_HOSTFILE"] == setup_env["HVD_RESILIENT_HOSTFILE"]
     assert svcs["worker-4"].get("profiles") == ["spare"], "the spare is not started by default"
     assert all("profiles" not in svcs[n] for n in DEFAULT_WORKERS)
-    for mode_user in svcs.values():
-        cmd = mode_user.get("command") or ["sshd"]
+    for svc in svcs.values():
+        cmd = svc.get("command") or ["sshd"]
         assert cmd[0] in entrypoint_modes(), f"no entrypoint mode {cmd[0]!r}"
-        hc = mode_user.get("healthcheck")
+        hc = svc.get("healthcheck")
         if hc:
             assert hc["test"][0] == "CMD" and hc["test"][2] == "health"
 
@@ -710,7 +710,9 @@ if argv[0] == "compose":
     elif sub == "run":
         cmd = args[args.index("setup") + 1:]
         if cmd[0] == "hvd-resilient":
-            sys.exit(2)  # an image without `hvd-resilient report`
+            if not os.environ.get("FAKE_REPORT"):
+                sys.exit(2)  # an image without `hvd-resilient report`
+            cmd[0] = os.path.join(os.path.dirname(sys.executable), "hvd-resilient")
         cmd = [a.replace("/shared", shared) for a in cmd]
         rc = subprocess.run(cmd).returncode
         if cmd[0] == "sed":
@@ -734,7 +736,8 @@ save()
 '''
 
 
-def run_chaos(tmp_path: Path, script: str, *args: str, silent: bool = False):
+def run_chaos(tmp_path: Path, script: str, *args: str, silent: bool = False,
+              report: bool = False):
     shared = tmp_path / "shared"
     (shared / "runs" / "digits").mkdir(parents=True)
     (shared / "hosts").write_text("".join(f"{w}:1\n" for w in DEFAULT_WORKERS))
@@ -749,6 +752,8 @@ def run_chaos(tmp_path: Path, script: str, *args: str, silent: bool = False):
            "FAKE_LOG": str(tmp_path / "docker.log"), "CHAOS_TIMEOUT": "2", "HOME": str(tmp_path)}
     if silent:
         env["FAKE_SILENT"] = "1"
+    if report:
+        env["FAKE_REPORT"] = "1"
     r = subprocess.run([str(DOCKER / "chaos" / script), *args], env=env, capture_output=True,
                        text=True, timeout=60)
     return r, (tmp_path / "docker.log").read_text(), shared
@@ -781,3 +786,11 @@ def test_chaos_scenario_fails_when_the_job_does_not_react(tmp_path: Path):
     r, _, _ = run_chaos(tmp_path, "stop-worker.sh", silent=True)
     assert r.returncode == 1
     assert "FAIL: no 'reset' event" in r.stdout
+
+
+def test_chaos_scenario_ends_with_the_real_report(tmp_path: Path):
+    """Where the image has `hvd-resilient report`, the scenario ends with its text."""
+    r, log, _ = run_chaos(tmp_path, "stop-worker.sh", report=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "hvd-resilient report /shared/runs/digits --no-plot" in log
+    assert "failures" in r.stdout and "events so far" not in r.stdout

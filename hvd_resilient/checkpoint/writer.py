@@ -89,6 +89,7 @@ class AsyncCheckpointWriter:
         run_id: str = "",
         meta: dict[str, Any] | None = None,
         stall_seconds: float | None = None,
+        stall_before: float = 0.0,
     ) -> None:
         """Queue a checkpoint of ``step`` and return at once.
 
@@ -96,6 +97,8 @@ class AsyncCheckpointWriter:
         callable making one; a callable runs here, after an older pending snapshot has been
         dropped, so at most two snapshots are alive. ``stall_seconds`` defaults to the time
         spent in this call; pass your own when you snapshotted before calling.
+        ``stall_before`` is added to it: time the caller already spent on this checkpoint
+        (gathering every rank's random streams, say).
 
         Raises:
             RuntimeError: the writer is closed.
@@ -105,6 +108,7 @@ class AsyncCheckpointWriter:
         self._supersede(step)
         files = payload() if callable(payload) else payload
         stall = stall_seconds if stall_seconds is not None else time.perf_counter() - t0
+        stall += stall_before  # what the caller already spent on this checkpoint (collectives)
         job = _Job(step, epoch, world_size, files, run_id, meta, stall)
         with self._cv:
             if self._closed:
