@@ -156,11 +156,22 @@ def test_job_follows_hostfile_through_health_filter(tmp_path, jobs):
     """hostfile wrapped in health-filter: a listed host whose port is dead never joins; a host
     removed from the file leaves, and joins again when added back."""
     import socket
+    import threading
 
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))  # "ssh port" of localhost and 127.0.0.1; not of 127.0.0.3
     listener.listen(64)
     port = listener.getsockname()[1]
+
+    def serve() -> None:  # answer every probe, or the backlog fills and probes time out
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
     try:
         run = tmp_path / "run"
         run.mkdir()
@@ -187,6 +198,7 @@ def test_job_follows_hostfile_through_health_filter(tmp_path, jobs):
         set_hosts(hosts, "localhost:1,127.0.0.1:1,127.0.0.3:1")
         assert job.wait(180) == 0, job.output()[-3000:]
     finally:
+        listener.shutdown(socket.SHUT_RDWR)
         listener.close()
     assert sizes_seen(run) == [2, 1, 2]
     assert max(e["size"] for e in events(run / "events.jsonl")) == 2, "the dead host joined"
