@@ -123,20 +123,6 @@ class FileStore(CheckpointStore):
                 pass
             raise self._err(e, key) from None
 
-    def _put_file(self, key: str, path: str) -> None:
-        import mmap
-
-        with open(path, "rb") as f:
-            if os.fstat(f.fileno()).st_size == 0:
-                self._put(key, memoryview(b""))
-                return
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-                view = memoryview(m)
-                try:
-                    self._put(key, view)
-                finally:
-                    view.release()
-
     def _get(self, key: str) -> bytes:
         try:
             with open(self._path(key), "rb") as f:

@@ -432,18 +432,3 @@ class S3Store(CheckpointStore):
         except StoreNotFoundError:
             return False
         return True
-
-    def _put_file(self, key: str, path: str) -> None:
-        import mmap
-        import os
-
-        with open(path, "rb") as f:
-            if os.fstat(f.fileno()).st_size == 0:  # mmap cannot map an empty file
-                self._put(key, memoryview(b""))
-                return
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-                view = memoryview(m)
-                try:
-                    self._put(key, view)
-                finally:
-                    view.release()

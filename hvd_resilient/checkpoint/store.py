@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import logging
+import os
 import random
 import time
 from collections.abc import Callable, Iterable
@@ -198,8 +199,20 @@ class CheckpointStore(abc.ABC):
     def _put(self, key: str, data: memoryview) -> None: ...
 
     def _put_file(self, key: str, path: str) -> None:
+        """Maps the file instead of reading it: a multi-GB checkpoint file is not copied into
+        memory first."""
+        import mmap
+
         with open(path, "rb") as f:
-            self._put(key, memoryview(f.read()))
+            if os.fstat(f.fileno()).st_size == 0:  # mmap cannot map an empty file
+                self._put(key, memoryview(b""))
+                return
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                view = memoryview(m)
+                try:
+                    self._put(key, view)
+                finally:
+                    view.release()
 
     @abc.abstractmethod
     def _get(self, key: str) -> bytes | bytearray: ...
