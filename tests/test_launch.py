@@ -70,6 +70,17 @@ def test_discovery_failing_on_first_call_is_one_line(tmp_path):
                                 "first call: cannot reach the API server")
 
 
+def test_unreachable_and_malicious_hosts_stop_before_launch(tmp_path):
+    r = cli("run", "--backend", "mpi", "--np", "2", "--hosts", "localhost:1,127.0.0.9:1",
+            "--ssh-port", "1", "--run-dir", str(tmp_path), "--", "python", "t.py")
+    assert r.returncode == 2
+    assert r.stderr.strip() == (
+        "hvd-resilient: error: hosts unreachable over ssh (127.0.0.9: connection refused on "
+        "port 1); check they are up and sshd listens on port 1 (--ssh-port)")
+    r = cli("run", "--hosts", "a;reboot:2", "--run-dir", str(tmp_path), "--", "python", "t.py")
+    assert r.returncode == 2 and "--hosts:" in r.stderr and "';'" in r.stderr, r.stderr
+
+
 def test_missing_bucket_is_one_line_before_launch(tmp_path, s3_server):
     import os
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,13 +27,46 @@ FORWARDED_PREFIXES = ("HVD_RESILIENT_", "AWS_", "PYTHONPATH", "OMP_NUM_THREADS")
 
 
 def parse_hosts(spec: str) -> list[tuple[str, int]]:
+    """`h1:2,h2` -> [("h1", 2), ("h2", 1)]; hostnames go to ssh, so they are validated here."""
+    from hvd_resilient.discovery.validate import validate_hostname
+
     out = []
     for part in filter(None, (p.strip() for p in spec.split(","))):
         host, _, slots = part.partition(":")
         if not host or not (slots or "1").isdigit() or int(slots or 1) < 1:
             raise ConfigError(f"run: --hosts entry {part!r} must look like host:slots")
+        try:
+            validate_hostname(host)
+        except ValueError as e:
+            raise ConfigError(f"run: --hosts: {e}") from None
         out.append((host, int(slots or 1)))
     return out
+
+
+def _is_local(host: str) -> bool:
+    """Horovod's rule: local (started without ssh) iff the name resolves to an address of a
+    local interface; 127.0.0.2 is not one unless it was added to lo."""
+    import psutil
+
+    try:
+        addrs = {i[4][0] for i in socket.getaddrinfo(host, None, socket.AF_INET)}
+    except OSError:
+        return False
+    local = {a.address for nic in psutil.net_if_addrs().values() for a in nic
+             if a.family == socket.AF_INET}
+    return bool(addrs) and addrs <= local
+
+
+def check_hosts_reachable(hosts: list[tuple[str, int]], ssh_port: int) -> None:
+    """The launcher would hang or print pages of ssh errors; one line before it starts."""
+    from hvd_resilient.discovery.health import probe_hosts
+
+    remote = [h for h, _ in hosts if not _is_local(h)]
+    failed = {h: why for h, why in probe_hosts(remote, ssh_port, 2.0).items() if why}
+    if failed:
+        detail = "; ".join(f"{h}: {why}" for h, why in sorted(failed.items()))
+        raise LaunchError(f"hosts unreachable over ssh ({detail}); check they are up and "
+                          f"sshd listens on port {ssh_port} (--ssh-port)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir")
     p.add_argument("--max-restarts", type=int)
     p.add_argument("--network-interface")
+    p.add_argument("--ssh-port", type=int, default=22, help="checked before launch")
     p.add_argument("--gloo-timeout-seconds", type=int)
     p.add_argument("--nnodes", help="torchrun: MIN:MAX nodes (default 1)")
     p.add_argument("--rdzv-endpoint", help="torchrun: host:port of the c10d rendezvous")
@@ -159,6 +194,8 @@ def main(argv: list[str]) -> int:
         return 0
     if opts.get("discovery"):
         check_discovery(opts["discovery"])
+    if opts.get("hosts"):
+        check_hosts_reachable(parse_hosts(opts["hosts"]), opts.get("ssh_port") or 22)
     check_store(opts["checkpoint"])
     Path(opts["run_dir"]).mkdir(parents=True, exist_ok=True)
     outcome = Supervisor(cmd, env, opts["run_dir"], max_restarts=opts["max_restarts"]).run()
