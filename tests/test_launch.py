@@ -141,3 +141,41 @@ def test_preemption_signal_final_checkpoint_then_restart_loses_nothing(tmp_path,
     (resume,) = [e for e in evs if e["event"] == "resume"]
     assert resume["from_step"] == pre0["step"] == saved_at_stop, "work lost at preemption"
     assert any(e["event"] == "restart" and e["preempted"] for e in evs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("backend", ["horovod", "mpi", "torchrun"])
+def test_whole_job_sigkilled_then_run_again_resumes_from_s3(backend, tmp_path, jobs, s3_url,
+                                                            s3_server):
+    """The same script under each launcher: checkpoints go to SeaweedFS, kill -9 of every
+    process (supervisor, launcher, workers), then `hvd-resilient run` again resumes."""
+    import socket
+
+    jobs.extra_env.update(s3_server.env())
+    run = tmp_path / "run"
+    extra = {"horovod": ["--network-interface", "lo"], "mpi": [], "torchrun": []}[backend]
+    if backend == "torchrun":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            extra = ["--rdzv-endpoint", f"127.0.0.1:{s.getsockname()[1]}"]
+    cmd = [HVD, "run", "--backend", backend, "--np", "2", "--run-id", "k", "--run-dir",
+           str(run), "--checkpoint", f"{s3_url}/k", *extra, "--", PYTHON, DIGITS,
+           "--epochs", "25", "--commit-every", "5", "--checkpoint-every", "20"]
+    job = jobs.start(cmd, name="first")
+    saved = lambda: [e["step"] for e in events(run / "events.jsonl")  # noqa: E731
+                     if e["event"] == "checkpoint_saved"]
+    wait_for(lambda: any(s >= 100 for s in saved()), 240, "a checkpoint at step >= 100", job)
+    for p in job.processes():
+        p.send_signal(signal.SIGKILL)
+    job.wait(30)
+    assert not [e for e in events(run / "events.jsonl") if e["event"] == "done"]
+    last_saved = max(saved())
+
+    job = jobs.start(cmd, name="second")
+    assert job.wait(300) == 0, job.output()[-3000:]
+    evs = events(run / "events.jsonl")
+    resumes = {e["from_step"] for e in evs if e["event"] == "resume"}
+    assert resumes == {last_saved}, (resumes, last_saved)
+    done = {e["params_sha256"] for e in evs if e["event"] == "done"}
+    assert len(done) == 1 and len([e for e in evs if e["event"] == "done"]) == 2
