@@ -65,3 +65,33 @@ def test_sigkill_whole_job_resumes_bit_identical_file_store(tmp_path, jobs):
 def test_sigkill_whole_job_resumes_bit_identical_s3(tmp_path, jobs, s3_url, s3_server):
     jobs.extra_env.update(s3_server.env())  # every launch talks to the test's SeaweedFS
     check_kill_and_resume(tmp_path, jobs, lambda name: f"{s3_url}/{name}")
+
+
+def test_s3_outage_during_training_is_reported_and_training_goes_on(tmp_path, jobs, s3_url,
+                                                                    s3_server):
+    jobs.extra_env.update(s3_server.env())
+    run = tmp_path / "run"
+    cmd = [HOROVODRUN, "-np", "2", "--gloo", "--network-interface", "lo", PYTHON, DIGITS,
+           "--run-id", "o", "--run-dir", str(run), "--epochs", "2000", "--commit-every", "5",
+           "--checkpoint-every", "50", "--checkpoint-url", f"{s3_url}/o"]
+    job = jobs.start(cmd, name="outage")
+    evs = lambda: events(run / "events.jsonl")  # noqa: E731
+    wait_for(lambda: saved_steps(run), 180, "a first checkpoint", job)
+    s3_server.stop()
+    try:
+        failed = wait_for(lambda: [e for e in evs() if e["event"] == "checkpoint_failed"], 120,
+                          "a failed checkpoint while S3 is down", job)
+        step_at_failure = max(e["step"] for e in evs() if e["event"] == "progress")
+    finally:
+        s3_server.start()
+    wait_for(lambda: any(s > failed[0]["step"] for s in saved_steps(run)), 120,
+             "a checkpoint saved after S3 came back", job)
+    assert job.proc.poll() is None, "training stopped during the outage"
+    workers = [p for p in job.processes() if p.cmdline()[1:2] == [DIGITS]]
+    for p in workers:
+        p.send_signal(signal.SIGUSR1)
+    job.wait(120)
+    final = evs()
+    assert any(e["event"] == "preempted" for e in final)
+    assert max(e["step"] for e in final if e["event"] == "progress") > step_at_failure
+    assert s3_server.secret_key not in (run / "events.jsonl").read_text()
