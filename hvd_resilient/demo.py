@@ -42,7 +42,7 @@ def main(argv: list[str]) -> int:
     )
     discover.chmod(0o755)
     launch = ElasticLaunch(np=2, min_np=1, max_np=4, discovery_script=str(discover),
-                           network_interface="lo", gloo_timeout_seconds=10,
+                           network_interface="lo", gloo_timeout_seconds=15,
                            blacklist_cooldown=(5, 10))
     cmd = horovodrun_command(launch, [
         sys.executable, str(example), "--run-id", "demo", "--run-dir", str(run_dir),
@@ -54,6 +54,7 @@ def main(argv: list[str]) -> int:
     if a.dry_run:
         return 0
     rc = subprocess.call(cmd)
-    print(f"exit code {rc}; events: {run_dir / 'events.jsonl'}; "
+    print(f"exit code {rc}\nevents:      {run_dir / 'events.jsonl'}\n"
+          f"report:      hvd-resilient report {run_dir}\n"
           f"checkpoints: hvd-resilient ckpt list {(run_dir / 'checkpoints').as_uri()}")
     return rc

@@ -179,3 +179,16 @@ def test_whole_job_sigkilled_then_run_again_resumes_from_s3(backend, tmp_path, j
     assert resumes == {last_saved}, (resumes, last_saved)
     done = {e["params_sha256"] for e in evs if e["event"] == "done"}
     assert len(done) == 1 and len([e for e in evs if e["event"] == "done"]) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_demo_trains_elastically_and_says_where_its_run_is(tmp_path):
+    run = tmp_path / "demo"
+    r = cli("demo", "--epochs", "2", "--run-dir", str(run), timeout=280)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"run folder:  {run}" in r.stdout
+    assert f"hvd-resilient report {run}" in r.stdout
+    done = [e for e in events(run / "events.jsonl") if e["event"] == "done"]
+    assert len(done) == 2 and len({e["params_sha256"] for e in done}) == 1
+    assert list((run / "checkpoints").glob("step-*/manifest.json"))
