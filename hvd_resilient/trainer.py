@@ -100,9 +100,9 @@ class Trainer:
         self.collate_fn = collate_fn
         self.on_step = on_step
         self.comm = comm
+        """An mpi4py communicator to train on (default: COMM_WORLD under mpirun)."""
         self.backend_name = backend
         """horovod or torchrun; default: whichever launcher started this process."""
-        """An mpi4py communicator to train on (default: COMM_WORLD under mpirun)."""
 
     def fit(self) -> FitResult:
         cfg = self.config
@@ -234,6 +234,9 @@ class Trainer:
         indices = sl.indices or [0]
         weight = len(sl.indices) * size / sl.global_count
         inputs, targets = self.collate_fn([self.data[i] for i in indices])
+        device = next(self._wrapped.parameters()).device
+        if device.type != "cpu":
+            inputs, targets = _to(inputs, device), _to(targets, device)
         loss = self.loss_fn(self._wrapped(inputs), targets)
         # Ranks may hold unequal shares of the last batch of an epoch; weighting by share
         # makes the averaged gradient the exact mean over the global batch.
@@ -252,3 +255,14 @@ class Trainer:
             logger.warning("stopping on a termination signal after a final checkpoint at step %d",
                            state.step)
         raise Preempted()
+
+
+def _to(batch: Any, device: torch.device) -> Any:
+    """Moves tensors (also inside lists, tuples and dicts) to the model's device."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _to(v, device) for k, v in batch.items()}
+    return batch

@@ -30,6 +30,9 @@ class HorovodBackend(Backend):
         return hvd.local_size()
 
     def wrap(self, model: Any, optimizer: Any) -> tuple[Any, Any]:
+        if torch.cuda.is_available():  # one GPU per worker, by its rank on the host
+            torch.cuda.set_device(hvd.local_rank())
+            model.cuda()
         return model, hvd.DistributedOptimizer(
             optimizer, named_parameters=model.named_parameters()
         )
