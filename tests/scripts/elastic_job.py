@@ -1,6 +1,6 @@
 """A custom-loop elastic job for tests, written the way a user with their own loop would.
 
-Stops after --steps optimizer steps, or (with --expect-sizes) once rank 0 has seen that
+Stops after --steps optimizer steps, or (with --expect-sizes) once the job has seen that
 sequence of world sizes. At every commit each rank appends the sample ids it trained on since
 its last commit to samples.jsonl; ids trained after the last commit are dropped by the reset
 callback, so the file holds exactly what the committed model saw.
@@ -51,9 +51,10 @@ def main() -> int:
                                    named_parameters=model.named_parameters())
     events = EventLog(os.path.join(a.run_dir, "events.jsonl"), rank=hvd.rank, size=hvd.size)
     events.emit("start", pid=os.getpid())
+    # (size, first step seen at) for every world size so far: a committed attribute, so every
+    # rank (a worker that joins later too, through sync) decides to stop at the same step.
     state = ElasticState(model, opt, sampler=ElasticDataSampler(N_SAMPLES, seed=0),
-                         events=events)
-    sizes: list[tuple[int, int]] = []  # rank 0: (size, step it was first seen at)
+                         events=events, sizes_seen=())
     pending: list[tuple[int, list[int]]] = []  # (epoch, ids) trained since the last commit
     state.register_reset_callbacks([pending.clear])
     samples_path = os.path.join(a.run_dir, "samples.jsonl")
@@ -61,8 +62,9 @@ def main() -> int:
     def finished() -> bool:
         if a.steps:
             return state.step >= a.steps
-        seq = [s for s, _ in sizes]
-        return seq[-len(expected):] == expected and state.step - sizes[-1][1] >= a.steps_at_each
+        seen = state.sizes_seen
+        seq = [s for s, _ in seen]
+        return seq[-len(expected):] == expected and state.step - seen[-1][1] >= a.steps_at_each
 
     def flush() -> None:
         if pending:
@@ -89,10 +91,9 @@ def main() -> int:
             state.sampler.advance(sl.global_count)
             state.step += 1
             if state.step % a.commit_every == 0:
-                if hvd.rank() == 0 and (not sizes or sizes[-1][0] != hvd.size()):
-                    sizes.append((hvd.size(), state.step))
-                stop = hvd.broadcast_object(hvd.rank() == 0 and finished(), root_rank=0,
-                                            name="stop")
+                if not state.sizes_seen or state.sizes_seen[-1][0] != hvd.size():
+                    state.sizes_seen = (*state.sizes_seen, (hvd.size(), state.step))
+                stop = finished()
                 flush()  # before commit: it may raise HostsUpdatedInterrupt after saving
                 state.commit()
                 if stop:
@@ -100,7 +101,7 @@ def main() -> int:
 
     train(state)
     events.emit("done", params_sha256=state.params_sha256(),
-                sizes=[s for s, _ in sizes] if hvd.rank() == 0 else None)
+                sizes=[s for s, _ in state.sizes_seen])
     return 0 if state.step < a.max_steps else 3
 
 
