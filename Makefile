@@ -15,10 +15,14 @@ install: $(STAMP)
 # The one test command (README and .ci/run call exactly this).
 test: $(STAMP)
 	$(PY) -m ruff check hvd_resilient discovery tests examples bench
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not chaos or ci_chaos" $(PYTEST_ARGS)
+
+# Every multi-host scenario (root, network namespaces, sshd; about 6 minutes).
+chaos: $(STAMP)
+	$(PY) -m pytest -q -m chaos tests/chaos $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow and not chaos" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check hvd_resilient discovery tests examples bench

@@ -1,0 +1,63 @@
+"""Fixtures for the chaos scenarios: namespaced hosts plus jobs, torn down in that order."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from jobs import JobRunner  # noqa: E402
+from netns import Cluster, MissingTool, Unavailable  # noqa: E402
+
+
+class Chaos:
+    """What a scenario gets: `cluster(k)` builds hosts, `jobs` starts launchers."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.jobs = JobRunner(tmp)
+        self.clusters: list[Cluster] = []
+
+    def cluster(self, k: int) -> Cluster:
+        c = Cluster(k)
+        c.before_close.append(self.jobs.cleanup)  # also on atexit / SIGTERM
+        self.clusters.append(c)
+        try:
+            c.start()
+        except Unavailable as e:
+            pytest.skip(f"network namespaces unavailable: {e}")
+        except MissingTool as e:
+            pytest.fail(str(e), pytrace=False)
+        return c
+
+    def require(self) -> None:
+        """Skips the test where network namespaces cannot be made (not root)."""
+        try:
+            Cluster._probe()
+        except Unavailable as e:
+            pytest.skip(f"network namespaces unavailable: {e}")
+
+    def close(self) -> None:
+        try:
+            self.jobs.cleanup()  # the launchers and every marked worker, remote ones too
+        finally:
+            errors = []
+            for c in reversed(self.clusters):
+                try:
+                    c.close()  # then whatever is left in the namespaces, and the network
+                except Exception as e:
+                    errors.append(str(e))
+            if errors:
+                raise RuntimeError("; ".join(errors))
+
+
+@pytest.fixture
+def chaos(tmp_path: Path):
+    c = Chaos(tmp_path)
+    try:
+        yield c
+    finally:
+        c.close()
