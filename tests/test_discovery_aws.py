@@ -7,15 +7,15 @@ import datetime
 import os
 import subprocess
 import sys
-import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
 import pytest
+from local_http import LocalHTTPServer
 
 from hvd_resilient.discovery import aws
 from hvd_resilient.discovery.errors import DiscoveryError, TransientDiscoveryError
@@ -289,18 +289,11 @@ class FakeAws:
                 self.end_headers()
                 self.wfile.write(data)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-        self.stopped = False
+        self.server = LocalHTTPServer(Handler)
+        self.url = self.server.url
 
     def stop(self) -> None:
-        if not self.stopped:
-            self.httpd.shutdown()
-            self.httpd.server_close()
-            self.thread.join(timeout=10)
-            self.stopped = True
+        self.server.stop()
 
 
 @pytest.fixture

@@ -11,15 +11,15 @@ import socket
 import ssl
 import subprocess
 import sys
-import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
 import pytest
+from local_http import LocalHTTPServer
 
 from hvd_resilient.discovery.errors import DiscoveryError
 from hvd_resilient.discovery.kubernetes import list_pods, resolve_config, select_hosts
@@ -126,22 +126,13 @@ class FakeApi:
                 self._reply(200, {"kind": "PodList", "metadata": meta,
                                   "items": pods[start:end]})
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.load_cert_chain(cert, key)
-        self.httpd.socket = context.wrap_socket(self.httpd.socket, server_side=True)
-        self.port = self.httpd.server_address[1]
-        self.url = f"https://127.0.0.1:{self.port}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-        self.stopped = False
+        self.server = LocalHTTPServer(Handler, tls=context)
+        self.port, self.url = self.server.port, self.server.url
 
     def stop(self) -> None:
-        if not self.stopped:
-            self.httpd.shutdown()
-            self.httpd.server_close()
-            self.thread.join(timeout=10)
-            self.stopped = True
+        self.server.stop()
 
 
 @pytest.fixture
