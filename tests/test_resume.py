@@ -95,3 +95,40 @@ def test_s3_outage_during_training_is_reported_and_training_goes_on(tmp_path, jo
     assert any(e["event"] == "preempted" for e in final)
     assert max(e["step"] for e in final if e["event"] == "progress") > step_at_failure
     assert s3_server.secret_key not in (run / "events.jsonl").read_text()
+
+
+def test_resume_at_another_world_size_continues_the_epoch(tmp_path, jobs):
+    """Saved at 2 workers, resumed at 1, then at 3: the sampler position carries over, so the
+    epoch goes on where it stopped; the random streams fall back to derived seeds."""
+    run = tmp_path / "run"
+
+    def launch(np: int, max_steps: int) -> None:
+        job = jobs.start([HOROVODRUN, "-np", str(np), "--gloo", "--network-interface", "lo",
+                          PYTHON, DIGITS, "--run-id", "w", "--run-dir", str(run), "--epochs",
+                          "50", "--max-steps", str(max_steps), "--checkpoint-every", "10",
+                          "--seed", "4"], name=f"np{np}")
+        assert job.wait(240) == 0, job.output()[-3000:]
+
+    launch(2, 40)
+    launch(1, 70)
+    launch(3, 90)
+    evs = events(run / "events.jsonl")
+    resumes = [e for e in evs if e["event"] == "resume"]
+    assert [(e["from_step"], e["saved_world_size"], e["size"]) for e in resumes] == [
+        (40, 2, 1), (70, 1, 3)]
+    saved = {e["step"]: e for e in evs if e["event"] == "checkpoint_saved"}
+    assert max(saved) == 90
+    # Exact-once across the size changes: every sample counted so far is where the sampler
+    # stands (epoch * N + position in the epoch), in every checkpoint that is kept.
+    from hvd_resilient.checkpoint.manager import CheckpointManager
+    from hvd_resilient.checkpoint.serialize import from_bytes
+
+    manager = CheckpointManager((run / "checkpoints").as_uri())
+    kept = manager.list()
+    assert kept and kept[-1].step == 90
+    for info in kept:
+        sd = from_bytes(manager.load(info)["state.pt"])
+        n, sampler = sd["sampler"]["num_samples"], sd["sampler"]
+        assert sd["counters"]["samples"] == sampler["epoch"] * n + sampler["consumed"], info.step
+    done = [e for e in evs if e["event"] == "done" and e["size"] == 3]
+    assert len(done) == 3 and len({e["params_sha256"] for e in done}) == 1
