@@ -1,9 +1,10 @@
-"""Durable checkpoints of an ElasticState: what survives the loss of the whole job.
+"""Durable checkpoints of a training state: what survives the loss of the whole job.
 
-Only rank 0 talks to the store. A save is one collective (every rank's random streams are
+Only rank 0 writes to the store. A save is one collective (every rank's random streams are
 gathered, since a bit-identical resume needs them all), then rank 0 copies the tensors to host
 memory inside the step and hands the copy to a background writer: the other ranks never wait
-for S3, and rank 0 waits only for the copy.
+for S3, and rank 0 waits only for the copy. On start, rank 0 reads the newest checkpoint
+(Horovod: a sync spreads it) or every rank does (torchrun: all workers start together).
 """
 
 from __future__ import annotations

@@ -82,14 +82,8 @@ class ElasticState(StateCore, TorchState):
         events: EventLog | None = None,
         **extras: Any,
     ) -> None:
-        self.events = events or EventLog(None)
-        if self.events.step_source is None:
-            self.events.step_source = lambda: self.step
-        self._seed = seed
-        self._lr_scaling = lr_scaling
+        self._init_core(seed=seed, lr_scaling=lr_scaling, events=events, extras=extras)
         self._synced_once = False
-        self._extra_names = tuple(extras)
-        self.last_commit_step = 0
         super().__init__(
             model=model, optimizer=optimizer, step=0, samples=0, lr_scale=1.0,
             resume_rng=None, **extras,

@@ -13,6 +13,7 @@ import hashlib
 from typing import Any
 
 from hvd_resilient import rng
+from hvd_resilient.events import EventLog
 from hvd_resilient.log import get
 
 log = get("state")
@@ -37,6 +38,16 @@ class StateCore:
     _seed: int
     _lr_scaling: str
     _extra_names: tuple[str, ...]
+
+    def _init_core(self, *, seed: int, lr_scaling: str, events: EventLog | None,
+                   extras: dict[str, Any]) -> None:
+        """The plain attributes every state needs, set before any backend-specific init."""
+        self.events = events or EventLog(None)
+        if self.events.step_source is None:
+            self.events.step_source = lambda: self.step
+        self._seed, self._lr_scaling = seed, lr_scaling
+        self._extra_names = tuple(extras)
+        self.last_commit_step = 0
 
     def _rank(self) -> int:
         raise NotImplementedError

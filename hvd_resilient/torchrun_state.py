@@ -28,20 +28,15 @@ class TorchrunState(StateCore):
         events: EventLog | None = None,
         **extras: Any,
     ) -> None:
+        self._init_core(seed=seed, lr_scaling=lr_scaling, events=events, extras=extras)
         self.model, self.optimizer = model, optimizer
         self.sampler, self.scheduler = sampler, scheduler
         self._rank_fn, self._size_fn = rank, size
-        self._seed, self._lr_scaling = seed, lr_scaling
-        self._extra_names = tuple(extras)
         for k, v in extras.items():
             setattr(self, k, v)
         self.step = self.samples = 0
         self.lr_scale = 1.0
         self.resume_rng: dict[str, Any] | None = None
-        self.last_commit_step = 0
-        self.events = events or EventLog(None)
-        if self.events.step_source is None:
-            self.events.step_source = lambda: self.step
 
     def _rank(self) -> int:
         return self._rank_fn()
