@@ -15,9 +15,11 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import horovod.torch as hvd
+import torch
 from horovod.common.elastic import notification_manager
 from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 
+from hvd_resilient import peer_watch
 from hvd_resilient.log import get
 from hvd_resilient.state import ElasticState, is_elastic
 
@@ -40,23 +42,39 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
             return func(state, *args, **kwargs)
         notification_manager.init()
         notification_manager.register_listener(state)
+        watch = peer_watch.PeerWatch()
         skip_sync = False
         try:
             while True:
                 try:
+                    _arm(watch, state)
                     if not skip_sync:
                         t0 = time.time()
                         state.sync()
                         state.events.emit("sync", seconds=round(time.time() - t0, 6))
-                    return func(state, *args, **kwargs)
+                    result = func(state, *args, **kwargs)
+                    # Nobody may leave (and hang up on a still-watching peer) before everyone
+                    # stopped watching: disarm, then meet once more.
+                    watch.disarm()
+                    hvd.allreduce(torch.zeros(1), name="hvd_resilient.done")
+                    return result
                 except HorovodInternalError as e:
                     detected = time.time()
-                    state.events.emit("failure_detected", error=_one_line(e))
+                    watch.disarm()
+                    hung_up = watch.detected_at
+                    state.events.emit(
+                        "failure_detected", error=_one_line(e),
+                        peer_hangup=watch.detail or None,
+                        detect_seconds=round(detected - hung_up, 6) if hung_up else None,
+                    )
+                    if hung_up:
+                        detected = hung_up
                     log.warning("collective failed (%s); restoring the last commit", _one_line(e))
                     state.restore()
                     skip_sync = False
                 except HostsUpdatedInterrupt as e:
                     detected = time.time()
+                    watch.disarm()
                     state.events.emit("hosts_changed", removed_only=bool(e.skip_sync))
                     skip_sync = e.skip_sync
                 old_size = hvd.size()
@@ -70,6 +88,18 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
                 if hvd.rank() == 0:
                     log.info("reset: world size %d -> %d", old_size, hvd.size())
         finally:
+            watch.disarm()
             notification_manager.remove_listener(state)
 
     return wrapper
+
+
+def _arm(watch: peer_watch.PeerWatch, state: ElasticState) -> None:
+    """Every rank publishes its connections; a collective, so a failure here is caught like
+    any other."""
+    everyone = hvd.allgather_object(peer_watch.local_connections())
+    watched = watch.arm(everyone, hvd.rank())
+    if watched == 0 and hvd.size() > 1:
+        log.warning("no Gloo connections found to watch; failures are detected at the Gloo "
+                    "timeout only")
+    state.events.emit("watch", connections=watched)

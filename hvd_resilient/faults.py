@@ -2,7 +2,8 @@
 
 A plan comes from one environment variable, read once by the entry point and passed down:
 `HVD_RESILIENT_FAULT="kill:rank=1:step=50"` (also `raise:` for a Python exception and
-`abort:` for an out-of-memory-style abort). Each fault fires once per run: a marker file in the
+`abort:` for an out-of-memory-style abort, and `stall:rank=0:step=30:seconds=6` for a rank that
+is alive but busy in Python, which must NOT be taken for a failure). Each fault fires once per run: a marker file in the
 run folder remembers it, so the worker that refills the slot does not fire it again.
 """
 
@@ -10,13 +11,14 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from hvd_resilient.errors import ConfigError
 
 ENV = "HVD_RESILIENT_FAULT"
-KINDS = ("kill", "raise", "abort")
+KINDS = ("kill", "raise", "abort", "stall")
 
 
 class InjectedFault(RuntimeError):
@@ -28,6 +30,7 @@ class Fault:
     kind: str
     rank: int
     step: int
+    seconds: float = 6.0  # stall only
 
 
 class FaultPlan:
@@ -44,7 +47,8 @@ class FaultPlan:
             try:
                 if kind not in KINDS:
                     raise ValueError(kind)
-                faults.append(Fault(kind, int(fields["rank"]), int(fields["step"])))
+                faults.append(Fault(kind, int(fields["rank"]), int(fields["step"]),
+                                    float(fields.get("seconds", 6.0))))
             except (KeyError, ValueError):
                 raise ConfigError(
                     f"{ENV}: cannot parse {item!r}; use KIND:rank=R:step=S with KIND one of "
@@ -61,9 +65,13 @@ class FaultPlan:
                 fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 continue
+            os.write(fd, f"{time.time():.6f}\n".encode())  # when it fired: for the benchmarks
             os.close(fd)
             if f.kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif f.kind == "abort":
                 os.abort()
+            elif f.kind == "stall":
+                time.sleep(f.seconds)  # the fault IS the sleep: a rank busy in Python
+                continue
             raise InjectedFault(f"injected fault at rank {rank} step {step}")

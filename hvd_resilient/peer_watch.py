@@ -1,0 +1,150 @@
+"""Learn of a dead peer at once, not at the Gloo timeout, and make every survivor learn it too.
+
+When a worker process dies (SIGKILL, an exception, an abort, a whole host's processes killed),
+its kernel closes its TCP connections, so every survivor's Gloo connection to it reports a hang-up
+within milliseconds. Gloo itself only notices on the connection an operation is waiting on; a
+survivor waiting on a live peer sits out the whole Gloo timeout (30 s by default). This watcher
+polls the hang-up condition of every Gloo connection of this process from a thread, and on the
+first one shuts all of this process's Gloo connections down: the operation it is blocked in fails
+at once (Horovod turns that into `HorovodInternalError`), and the peers it was connected to see
+hang-ups of their own, so the news crosses the whole job in one hop.
+
+Gloo closes its listening sockets once its mesh is connected, and Horovod does not expose the
+connections, so they are found by their endpoints (`tcp_sockets`): after every `hvd.init()` each
+rank publishes its established connections, and a connection whose mirror image another rank
+holds joins two workers of this job. The driver, the object store and anything else outside the
+job are never touched.
+
+What it cannot tell apart: a host that vanishes without closing its connections (power loss,
+network partition, a kernel that stops answering) sends no hang-up; those still end at the Gloo
+timeout. A slow rank or a slow link is never taken for a failure, because nothing hangs up.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import threading
+import time
+from typing import Any
+
+from hvd_resilient import tcp_sockets
+from hvd_resilient.log import get
+
+log = get("peer_watch")
+
+_HANGUP = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0x2000)
+# A hang-up seen this soon after the watch was disarmed was a peer leaving on purpose (a reset
+# or the end of training reached a neighbour a moment before us): never act on it.
+GRACE_S = 0.05
+
+
+Conn = tuple[tuple[str, int], tuple[str, int]]  # (local, remote) as this process sees it
+
+
+def local_connections() -> list[Conn]:
+    """This process's established TCP connections: what the ranks exchange after each init."""
+    return sorted(
+        (s.local, s.remote) for s in tcp_sockets.own_sockets()
+        if s.state == tcp_sockets.ESTABLISHED
+    )
+
+
+def peer_connections(everyone: list[list[Conn]], me: int) -> list[tcp_sockets.TcpSocket]:
+    """Connections of this process whose other end is held by another rank of the job."""
+    mirrored = {(remote, local) for r, conns in enumerate(everyone) if r != me
+                for local, remote in conns}
+    return [
+        s for s in tcp_sockets.own_sockets()
+        if s.state == tcp_sockets.ESTABLISHED and (s.local, s.remote) in mirrored
+    ]
+
+
+class PeerWatch:
+    """Armed after every (re)initialisation, disarmed before every deliberate teardown."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._armed = False
+        self._socks: list[socket.socket] = []
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.detected_at: float | None = None
+        self.detail = ""
+
+    def arm(self, everyone: list[list[Conn]], me: int) -> int:
+        """`everyone` is every rank's `local_connections()` (an allgather). Returns the number
+        of connections watched; 0 means detection falls back to the Gloo timeout."""
+        self.disarm()
+        conns = peer_connections(everyone, me)
+        socks = []
+        for c in conns:
+            try:
+                socks.append(socket.socket(fileno=os.dup(c.fd)))
+            except OSError:
+                continue
+        with self._lock:
+            self._socks = socks
+            self._armed = True
+            self.detected_at = None
+            self.detail = ""
+            self._stop = threading.Event()
+        if socks:
+            self._thread = threading.Thread(
+                target=self._watch, args=(socks, self._stop), name="hvd-resilient-peer-watch",
+                daemon=True,
+            )
+            self._thread.start()
+        return len(socks)
+
+    def disarm(self) -> None:
+        with self._lock:
+            self._armed = False
+            self._stop.set()
+            socks, self._socks = self._socks, []
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=1.0)
+        self._thread = None
+        for s in socks:
+            try:
+                s.close()
+            except OSError:
+                pass
+
+    def _watch(self, socks: list[socket.socket], stop: threading.Event) -> None:
+        poller = select.poll()
+        by_fd: dict[int, socket.socket] = {}
+        for s in socks:
+            poller.register(s.fileno(), _HANGUP)
+            by_fd[s.fileno()] = s
+        while not stop.is_set():
+            try:
+                ready = poller.poll(100)
+            except (OSError, ValueError):
+                return
+            if not ready:
+                continue
+            seen = time.time()
+            fd, _ = ready[0]
+            try:
+                peer: Any = by_fd[fd].getpeername()
+            except OSError:
+                peer = "?"
+            if stop.wait(GRACE_S):
+                return
+            with self._lock:
+                if not self._armed or stop.is_set():
+                    return
+                self.detected_at = seen
+                self.detail = f"connection to {peer} hung up"
+                self._kick(socks)
+            return
+
+    @staticmethod
+    def _kick(socks: list[socket.socket]) -> None:
+        for s in socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
