@@ -20,6 +20,7 @@ _LAZY = {
     "run": "hvd_resilient.elastic",
     "Trainer": "hvd_resilient.trainer",
     "EventLog": "hvd_resilient.events",
+    "local_rank": "hvd_resilient.slot_hosts",
 }
 
 __all__ = ["__version__", *_LAZY]

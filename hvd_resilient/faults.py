@@ -2,9 +2,10 @@
 
 A plan comes from one environment variable, read once by the entry point and passed down:
 `HVD_RESILIENT_FAULT="kill:rank=1:step=50"` (also `raise:` for a Python exception and
-`abort:` for an out-of-memory-style abort, and `stall:rank=0:step=30:seconds=6` for a rank that
-is alive but busy in Python, which must NOT be taken for a failure). Each fault fires once per run: a marker file in the
-run folder remembers it, so the worker that refills the slot does not fire it again.
+`abort:` for an out-of-memory-style abort, and `stall:rank=0:step=30:seconds=6` for a rank
+that is alive but busy in Python, which must NOT be taken for a failure). Each fault fires once
+per run: a marker file in the run folder remembers it (and when it fired), so the worker that
+refills the slot does not fire it again.
 """
 
 from __future__ import annotations

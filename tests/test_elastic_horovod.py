@@ -145,6 +145,30 @@ def test_kill_9_survivors_learn_at_once_and_lose_at_most_one_commit(
     assert_exactly_once(run, 2048)
 
 
+def test_one_host_job_survives_a_dead_worker_with_slot_hosts(tmp_path, jobs):
+    """Plain horovodrun blacklists the only host and ends; per-slot hosts lose one slot."""
+    run = tmp_path / "run"
+    run.mkdir()
+    _, discover = write_discovery(tmp_path, "localhost:3")
+    commit_every = 5
+    cmd = horovodrun_elastic(discover, 3, 2, 3, "--gloo-timeout-seconds", GLOO_TIMEOUT,
+                             "--blacklist-cooldown-range", "2", "4")
+    cmd[:1] = [PYTHON, "-m", "hvd_resilient.launch.horovod_driver"]
+    job = jobs.start(
+        cmd + [PYTHON, JOB, "--run-dir", str(run), "--expect-sizes", "3,2,3",
+               "--commit-every", str(commit_every)],
+        env=jobs.env(HVD_RESILIENT_FAULT="kill:rank=1:step=37"), name="slots",
+    )
+    assert job.wait(360) == 0, job.output()[-3000:]
+    evs = events(run / "events.jsonl")
+    assert fault_times(run), "the kill never happened"
+    for r in [e for e in evs if e["event"] == "restore"]:
+        assert 0 <= r["lost_steps"] <= commit_every, r
+    assert sizes_seen(run) == [3, 2, 3], "expected one slot lost, then refilled after cooldown"
+    assert len(set(final_digests(run).values())) == 1
+    assert_exactly_once(run, 2048)
+
+
 def test_rank_busy_in_python_longer_than_the_gloo_timeout_is_not_a_failure(tmp_path, jobs):
     run = tmp_path / "run"
     run.mkdir()

@@ -45,6 +45,26 @@ def test_elastic_dry_run_sets_the_flags_that_matter(tmp_path):
                  "--blacklist-cooldown-range", "--gloo-timeout-seconds 30",
                  "--network-interface lo"):
         assert flag in r.stdout.splitlines()[0]
+    # slot hosts by default: Horovod's launcher run through our driver module
+    assert "-m hvd_resilient.launch.horovod_driver -np 2" in r.stdout.splitlines()[0]
+    plain = cli("run", "--discovery", str(d), "--np", "2", "--no-slot-hosts",
+                "--network-interface", "lo", "--run-dir", str(tmp_path), "--dry-run", "--",
+                "python", "t.py")
+    assert plain.returncode == 0, plain.stderr
+    first = plain.stdout.splitlines()[0]
+    assert "horovod_driver" not in first and first.split()[0].endswith("horovodrun")
+
+
+def test_slot_hosts_split_per_slot_and_map_back_to_the_machine():
+    from hvd_resilient import slot_hosts
+
+    split = slot_hosts.split({"node-a": 2, "10.0.0.7": 1})
+    assert split == {"node-a+0": 1, "node-a+1": 1, "10.0.0.7+0": 1}
+    assert {slot_hosts.real_host(h) for h in split} == {"node-a", "10.0.0.7"}
+    assert slot_hosts.real_host("plain-host") == "plain-host"
+    assert slot_hosts.local_rank({"HOROVOD_HOSTNAME": "node-a+1"}) == 1
+    assert slot_hosts.local_rank({"HOROVOD_HOSTNAME": "node-a"}) is None
+    assert slot_hosts.local_rank({}) is None
 
 
 @pytest.mark.parametrize("argv,needle", [

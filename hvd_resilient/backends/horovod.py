@@ -8,7 +8,7 @@ from typing import Any
 import horovod.torch as hvd
 import torch
 
-from hvd_resilient import elastic, hvd_init
+from hvd_resilient import elastic, hvd_init, slot_hosts
 from hvd_resilient.backends.base import Backend
 from hvd_resilient.state import ElasticState
 
@@ -31,7 +31,8 @@ class HorovodBackend(Backend):
 
     def wrap(self, model: Any, optimizer: Any) -> tuple[Any, Any]:
         if torch.cuda.is_available():  # one GPU per worker, by its rank on the host
-            torch.cuda.set_device(hvd.local_rank())
+            slot = slot_hosts.local_rank()  # with slot hosts hvd.local_rank() is always 0
+            torch.cuda.set_device(hvd.local_rank() if slot is None else slot)
             model.cuda()
         return model, hvd.DistributedOptimizer(
             optimizer, named_parameters=model.named_parameters()

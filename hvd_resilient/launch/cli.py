@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--network-interface")
     p.add_argument("--ssh-port", type=int, default=22, help="checked before launch")
     p.add_argument("--gloo-timeout-seconds", type=int)
+    p.add_argument("--no-slot-hosts", dest="slot_hosts", action="store_false", default=None,
+                   help="horovod: blacklist whole hosts on a failure, as plain horovodrun does "
+                        "(default: per slot, so one dead worker never ends a one-host job)")
     p.add_argument("--nnodes", help="torchrun: MIN:MAX nodes (default 1)")
     p.add_argument("--rdzv-endpoint", help="torchrun: host:port of the c10d rendezvous")
     p.add_argument("--torchrun-restarts", type=int,
@@ -145,6 +148,7 @@ def launcher_command(opts: dict[str, Any], env_names: list[str]) -> list[str]:
             max_np=opts.get("max_np") or opts["np"], discovery_script=opts["discovery"],
             network_interface=opts.get("network_interface"),
             gloo_timeout_seconds=opts["gloo_timeout_seconds"],
+            slot_hosts=opts.get("slot_hosts", True),
         )
         return horovodrun_command(launch, train)
     return horovodrun_static(opts["np"], hosts, opts.get("network_interface"), train)

@@ -2,13 +2,14 @@
 
 Horovod's defaults are tuned for a cluster of many hosts; on one machine or a small cluster
 they hang (no `--network-interface`: it waits forever for a second host to detect interfaces)
-or give up (a failed host is blacklisted for good, so one dead worker on a single host ends the
-job). Every flag we set is visible in `--dry-run` output.
+or give up (a failed host is blacklisted, so one dead worker on a single host ends the job:
+hence slot hosts, on by default). Every flag we set is visible in `--dry-run` output.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 from hvd_resilient.errors import ConfigError
@@ -29,6 +30,8 @@ class ElasticLaunch:
     reset_limit: int | None = None
     elastic_timeout: int = 600
     start_timeout: int = 120
+    slot_hosts: bool = True
+    """Blacklist and refill per slot, not per host (see `slot_hosts`)."""
 
     def __post_init__(self) -> None:
         if self.min_np < 1:
@@ -57,9 +60,13 @@ class ElasticLaunch:
 
 
 def horovodrun_command(launch: ElasticLaunch, train_cmd: list[str]) -> list[str]:
-    exe = require("horovodrun", "run `make install` (or activate .venv)")
+    if launch.slot_hosts:
+        require("horovodrun", "run `make install` (or activate .venv)")  # Horovod is there
+        exe = [sys.executable, "-m", "hvd_resilient.launch.horovod_driver"]
+    else:
+        exe = [require("horovodrun", "run `make install` (or activate .venv)")]
     cmd = [
-        exe, "-np", str(launch.np), "--min-np", str(launch.min_np),
+        *exe, "-np", str(launch.np), "--min-np", str(launch.min_np),
         "--max-np", str(launch.max_np),
         "--host-discovery-script", os.path.abspath(launch.discovery_script),
         "--gloo-timeout-seconds", str(launch.gloo_timeout_seconds),
