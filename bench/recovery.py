@@ -9,6 +9,7 @@ discovery file changed) to:
 - detect: the first survivor's `failure_detected` (ours only: vanilla does not say);
 - reset: the first `reset_callback` of the new world (`hvd.init()` done again);
 - first step: the first `enter` (training function entered, state synced) after the fault;
+  under torchrun the first `resume` (durable checkpoint loaded) of the restarted round;
 - new-size commit (scale-up): the first commit at the new world size;
 - lost: steps trained before the fault and trained again after it.
 
@@ -71,6 +72,7 @@ class Scenario:
     change_to: str = ""  # discovery output once rank 0 committed step 100
     vanilla_args: list[str] = field(default_factory=list)
     vanilla_hosts: str = ""  # when vanilla needs another layout to survive at all
+    kind: str = "horovod"  # or "torchrun"
 
 
 def scenarios() -> list[Scenario]:
@@ -89,7 +91,30 @@ def scenarios() -> list[Scenario]:
                  4, 2, 4, change_to="localhost:2"),
         Scenario("host_added", "host added via discovery", "localhost:2", 2, 2, 4,
                  change_to="localhost:2\n127.0.0.1:2"),
+        Scenario("torchrun_kill", "torchrun, kill -9 one worker (2 workers)", "", 2, 2, 2,
+                 fault="kill:rank=1:step=70", kind="torchrun"),
     ]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_cmd(sc: Scenario, stack: str, run: Path) -> list[str]:
+    """Ours: exactly what `hvd-resilient run --backend torchrun` starts, on examples/digits.py
+    with durable checkpoints every 20 steps. Vanilla: plain DDP (`torchrun_vanilla_job.py`)."""
+    from hvd_resilient.launch.commands import torchrun_command
+
+    if stack == "ours":
+        train = [sys.executable, str(ROOT / "examples" / "digits.py"), "--run-id", run.name,
+                 "--run-dir", str(run), "--checkpoint-url", f"file://{run}/ckpt",
+                 "--checkpoint-every", "20", "--epochs", "6", "--seed", "5"]
+    else:
+        train = [sys.executable, str(ROOT / "bench" / "torchrun_vanilla_job.py"),
+                 "--run-dir", str(run)]
+    return torchrun_command(sc.np, "1", f"127.0.0.1:{free_port()}", 3, run.name, train)
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:
@@ -139,6 +164,10 @@ def run_once(sc: Scenario, stack: str, work: Path, timeout: float) -> dict[str, 
         sys.executable, str(JOB), "--run-dir", str(run), "--stack", stack,
         "--steps", "200", "--commit-every", "10",
     ]
+    if sc.kind == "torchrun":
+        cmd = torchrun_cmd(sc, stack, run)
+        # a plain torchrun restart hangs (field notes): give it a minute, not the full timeout
+        timeout = min(timeout, 90.0) if stack == "vanilla" else timeout
     env = dict(os.environ, PYTHONPATH=f"{ROOT}:{os.environ.get('PYTHONPATH', '')}",
                PATH=f"{VENV_BIN}:{os.environ.get('PATH', '')}", HVD_RESILIENT_FAULT=sc.fault)
     events_path = run / "events.jsonl"
@@ -163,12 +192,17 @@ def run_once(sc: Scenario, stack: str, work: Path, timeout: float) -> dict[str, 
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    result = measure(read_events(events_path), run, t_change)
+    if sc.kind == "torchrun":  # a new round's processes, then its first step
+        result = measure(read_events(events_path), run, t_change, reset_event="start",
+                         first_event="resume" if stack == "ours" else "enter")
+    else:
+        result = measure(read_events(events_path), run, t_change)
     result.update(rc=rc, run_dir=str(run))
     return result
 
 
-def measure(evs: list[dict[str, Any]], run: Path, t_change: float | None) -> dict[str, Any]:
+def measure(evs: list[dict[str, Any]], run: Path, t_change: float | None,
+            reset_event: str = "reset_callback", first_event: str = "enter") -> dict[str, Any]:
     fired = list(run.glob(".fault-*"))  # .fault-<i>-<kind>-r<rank>-s<step>, holding the time
     marks = [float(p.read_text().split()[0]) for p in fired]
     fault_steps = [int(p.name.rsplit("-s", 1)[1]) for p in fired]
@@ -181,16 +215,17 @@ def measure(evs: list[dict[str, Any]], run: Path, t_change: float | None) -> dic
         ts = [e["ts"] for e in after if e["event"] == name and pred(e)]
         return round(min(ts) - t0, 3) if ts else None
 
-    enters = [e for e in after if e["event"] == "enter"]
+    enters = [e for e in after if e["event"] == first_event]
     size_before = max((e["size"] for e in evs if e["ts"] < t0), default=0)
     out: dict[str, Any] = {
         "detect_s": first("failure_detected"),
-        "reset_s": first("reset_callback"),
+        "reset_s": first(reset_event),
         "first_step_s": round(enters[0]["ts"] - t0, 3) if enters else None,
     }
     if enters:
         before = [e["step"] for e in evs if e["ts"] < enters[0]["ts"]] + fault_steps
-        out["lost_steps"] = max(before) - enters[0]["at_step"] if before else None
+        at = enters[0].get("at_step", enters[0].get("from_step"))
+        out["lost_steps"] = max(before) - at if before else None
         out["new_size"] = enters[0]["size"]
         grown = [e for e in after if e["event"] == "commit" and e["size"] > size_before]
         out["new_size_commit_s"] = round(grown[0]["ts"] - t0, 3) if grown else None
