@@ -10,6 +10,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+import psutil
 import pytest
 from jobs import (
     PYTHON,
@@ -104,6 +105,43 @@ def test_resize_2_to_4_to_2_follows_discovery_file(tmp_path, jobs):
     restores = [e for e in events(run / "events.jsonl") if e["event"] == "restore"]
     assert not restores, f"a host removed through discovery must cost no work: {restores}"
     assert_exactly_once(run, 2048)
+
+
+def test_added_host_workers_start_before_the_running_ones_are_told(tmp_path, jobs):
+    """Standby: the newcomers import while the old world trains; the process that joins is the
+    one started early (same pid), and the old workers heard of the change only after it began."""
+    run = tmp_path / "run"
+    run.mkdir()
+    hosts, discover = write_discovery(tmp_path, "localhost:2")
+    cmd = horovodrun_elastic(discover, 2, 2, 4)
+    cmd[:1] = [PYTHON, "-m", "hvd_resilient.launch.horovod_driver"]
+    job = jobs.start(cmd + [PYTHON, JOB, "--run-dir", str(run), "--expect-sizes", "2,4",
+                            "--steps-at-each", "20", "--commit-every", "5"], name="standby")
+    wait_for(lambda: any(c["size"] == 2 and c["step"] >= 10 for c in commits(run)), 120,
+             "10 steps at size 2", job)
+    set_hosts(hosts, "localhost:2,127.0.0.1:2")
+
+    def newcomers() -> dict[int, float]:
+        out = {}
+        for p in job.processes():
+            try:
+                env = p.environ()
+                python = p.name().startswith("python")  # not the shell Horovod starts it with
+                if python and env.get("HOROVOD_HOSTNAME", "").startswith("127.0.0.1+"):
+                    out[p.pid] = p.create_time()
+            except psutil.Error:
+                continue
+        return out
+
+    early = wait_for(lambda: len(newcomers()) == 2 and newcomers(), 60, "two standby workers", job)
+    assert job.wait(240) == 0, job.output()[-3000:]
+    evs = events(run / "events.jsonl")
+    told = min(e["ts"] for e in evs if e["event"] == "hosts_changed")
+    assert max(early.values()) < told, "the running workers were told before the newcomers ran"
+    joined = {e["pid"] for e in evs if e["event"] == "start" and e["ts"] > told}
+    assert joined == set(early), f"joined {joined}, standby {set(early)}: not the same processes"
+    assert sizes_seen(run) == [2, 4]
+    assert len(set(final_digests(run).values())) == 1
 
 
 @pytest.mark.parametrize("what,hosts,np,fault,sizes", [

@@ -1,9 +1,15 @@
-"""`horovodrun` with slot hosts: `python -m hvd_resilient.launch.horovod_driver ARGS`.
+"""`horovodrun`, taught two things: `python -m hvd_resilient.launch.horovod_driver ARGS`.
 
 Takes exactly `horovodrun`'s arguments and runs Horovod's own launcher in this process, after
-teaching it slot hosts (see `slot_hosts`): the discovery output is split per slot, and address
-lookups and ssh commands get the real host back. Horovod is otherwise untouched; with
-`HVD_RESILIENT_SLOT_HOSTS=0` this is plain `horovodrun`.
+teaching it
+- slot hosts (`slot_hosts`): the discovery output is split per slot, and address lookups and
+  ssh commands get the real host back (`HVD_RESILIENT_SLOT_HOSTS=0` turns it off);
+- standby workers (`standby`): when hosts or slots are added, their workers are started at
+  once and the running workers are told of the change only once the newcomers have imported
+  torch and Horovod, so the old world keeps training through the cold start instead of waiting
+  in the rendezvous for it (`HVD_RESILIENT_STANDBY=0` turns it off).
+Both only wrap methods of Horovod's elastic driver; the protocol between driver and workers is
+Horovod's own.
 """
 
 from __future__ import annotations
@@ -11,12 +17,16 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from hvd_resilient import slot_hosts
+from hvd_resilient.launch import standby as standby_mod
 
 ENV = "HVD_RESILIENT_SLOT_HOSTS"
+STANDBY_ENV = "HVD_RESILIENT_STANDBY"
 
 
 def _real_host_arg(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -48,9 +58,89 @@ def install() -> None:
         )
 
 
+def _kv(driver: Any, scope: str) -> dict[str, bytes]:
+    httpd = driver._rendezvous._httpd
+    with httpd.cache_lock:
+        return dict(httpd.cache.get(scope, {}))
+
+
+def _kv_set(driver: Any, scope: str, key: str, value: bytes | None) -> None:
+    httpd = driver._rendezvous._httpd
+    with httpd.cache_lock:
+        bucket = httpd.cache.setdefault(scope, {})
+        if value is None:
+            bucket.pop(key, None)
+        else:
+            bucket[key] = value
+
+
+def _key(slot: Any) -> str:
+    return f"{slot.hostname}:{slot.local_rank}"
+
+
+def install_standby(ready_timeout_s: float = 120.0) -> None:
+    from horovod.runner import launch
+    from horovod.runner.elastic.driver import ElasticDriver
+
+    notify = ElasticDriver._notify_workers_host_changes
+
+    def notify_when_ready(self: Any, current_hosts: Any, update_res: Any) -> None:
+        standby = self.__dict__.setdefault("_hvdr_standby", {})
+        if self._host_assignments and (
+            current_hosts.count_available_slots() >= self._min_num_proc
+        ):
+            nxt, _ = self._get_host_assignments(current_hosts)
+            active = {(h, s.local_rank) for h, slots in self._host_assignments.items()
+                      for s in slots}
+            new = [s for h, slots in nxt.items() for s in slots
+                   if (h, s.local_rank) not in active and _key(s) not in standby]
+            if new:
+                for s in new:
+                    _kv_set(self, standby_mod.READY, _key(s), None)
+                    _kv_set(self, standby_mod.GO, _key(s), None)
+                    standby[_key(s)] = s
+                    self._start_worker_process(s)
+                threading.Thread(target=_notify_later, args=(self, new, update_res),
+                                 daemon=True, name="hvd-resilient-standby").start()
+                return
+        notify(self, current_hosts, update_res)
+
+    def _notify_later(self: Any, new: list[Any], update_res: Any) -> None:
+        deadline = time.monotonic() + ready_timeout_s
+        while time.monotonic() < deadline and not self.finished():
+            ready = _kv(self, standby_mod.READY)
+            if all(_key(s) in ready for s in new):
+                break
+            time.sleep(0.05)
+        with self._wait_hosts_cond:
+            notify(self, self._host_manager.current_hosts, update_res)
+
+    def start_or_release(self: Any, pending_slots: list[Any]) -> None:
+        standby = self.__dict__.setdefault("_hvdr_standby", {})
+        for s in pending_slots:
+            _kv_set(self, standby_mod.GO, _key(s), b"1")
+            if standby.pop(_key(s), None) is None:
+                self._start_worker_process(s)
+
+    ElasticDriver._notify_workers_host_changes = notify_when_ready
+    ElasticDriver._start_worker_processes = start_or_release
+
+    run_elastic = launch._run_elastic
+
+    def run_elastic_with_standby(args: Any) -> Any:
+        cmd = list(args.command or [])
+        if cmd and standby_mod.same_python(cmd[0]):
+            args.command = [cmd[0], "-m", "hvd_resilient.launch.standby", *cmd]
+        return run_elastic(args)
+
+    launch._run_elastic = run_elastic_with_standby
+
+
 def main(argv: list[str] | None = None) -> None:
     if os.environ.get(ENV, "1") != "0":
         install()
+    if os.environ.get(STANDBY_ENV, "1") != "0":
+        install_standby()
     from horovod.runner.launch import run_commandline
 
     sys.argv = ["horovodrun", *(sys.argv[1:] if argv is None else argv)]

@@ -1,0 +1,90 @@
+"""A worker started ahead of time: imports done while the old world trains, then released.
+
+Horovod starts the workers of an added host (or a slot back from its cooldown) only after the
+running workers have stopped at a reset, so they sit idle for the newcomer's cold start (Python,
+torch, Horovod: 5-20 s). `horovod_driver` starts the newcomer early through this module: it
+imports torch and Horovod, says it is ready through the driver's key-value store, and waits for
+the driver's go (given when the new world is formed); only then does the training script run, in
+this same process, with its imports already paid for. Without a Horovod driver around (no
+rendezvous address), or when the command is not this Python, it just runs the command.
+
+    python -m hvd_resilient.launch.standby python train.py ARGS
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import shutil
+import sys
+import time
+import urllib.error
+import urllib.request
+
+READY = "hvd_resilient_standby_ready"
+GO = "hvd_resilient_standby_go"
+MAX_WAIT_S = 900.0  # a standby never released (its host left again) exits quietly
+
+
+def _url(scope: str, key: str) -> str:
+    addr = os.environ["HOROVOD_GLOO_RENDEZVOUS_ADDR"]
+    port = os.environ["HOROVOD_GLOO_RENDEZVOUS_PORT"]
+    return f"http://{addr}:{port}/{scope}/{key}"
+
+
+def _exists(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5):
+            return True
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _put(url: str) -> None:
+    req = urllib.request.Request(url, data=b"1", method="PUT")
+    with urllib.request.urlopen(req, timeout=5):
+        pass
+
+
+def same_python(exe: str) -> bool:
+    found = shutil.which(exe)
+    return bool(found) and os.path.realpath(found) == os.path.realpath(sys.executable)
+
+
+def run_in_process(cmd: list[str]) -> None:
+    """Runs `python script.py ARGS` or `python -m module ARGS` here, as Python itself would."""
+    args = cmd[1:]
+    if args[:1] == ["-m"] and len(args) >= 2:
+        sys.argv = [args[1], *args[2:]]
+        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(args)
+        sys.path[0] = os.path.dirname(os.path.abspath(args[0]))
+        runpy.run_path(args[0], run_name="__main__")
+
+
+def main() -> None:
+    cmd = sys.argv[1:]
+    if not cmd:
+        sys.exit("usage: python -m hvd_resilient.launch.standby COMMAND [ARGS]")
+    runnable_here = same_python(cmd[0]) and len(cmd) >= 2 and not cmd[1].startswith("-c")
+    if "HOROVOD_GLOO_RENDEZVOUS_ADDR" not in os.environ or not runnable_here:
+        os.execvp(cmd[0], cmd)
+    key = f"{os.environ['HOROVOD_HOSTNAME']}:{os.environ['HOROVOD_LOCAL_RANK']}"
+    import horovod.torch  # noqa: F401 - the cold start this module exists to hide
+    import torch  # noqa: F401
+
+    import hvd_resilient.elastic  # noqa: F401 - and ours, which every training script imports
+
+    _put(_url(READY, key))
+    go = _url(GO, key)
+    deadline = time.monotonic() + MAX_WAIT_S
+    while not _exists(go):
+        if time.monotonic() > deadline:
+            sys.exit(0)
+        time.sleep(0.05)
+    run_in_process(cmd)
+
+
+if __name__ == "__main__":
+    main()
