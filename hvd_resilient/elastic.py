@@ -19,7 +19,7 @@ import torch
 from horovod.common.elastic import notification_manager
 from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 
-from hvd_resilient import peer_watch
+from hvd_resilient import driver_watch, peer_watch
 from hvd_resilient.log import get
 from hvd_resilient.state import ElasticState, is_elastic
 
@@ -42,6 +42,7 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
             return func(state, *args, **kwargs)
         notification_manager.init()
         notification_manager.register_listener(state)
+        driver_watch.start(state.events)
         watch = peer_watch.PeerWatch()
         skip_sync = False
         try:

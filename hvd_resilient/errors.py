@@ -35,3 +35,7 @@ def exit_on_error(main):  # type: ignore[no-untyped-def]
             raise SystemExit(e.exit_code) from None
 
     return wrapper
+
+
+DRIVER_LOST_EXIT_CODE = 76
+"""A worker whose horovodrun driver died exits with this; the relaunch takes over."""

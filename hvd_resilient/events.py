@@ -48,6 +48,7 @@ class EventLog:
         self._size = size
         self.step_source = step
         """Where `step` comes from; an ElasticState fills it in when it is left unset."""
+        self._last = (-1, -1)
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -58,12 +59,22 @@ class EventLog:
         except Exception:  # a size() before init or after shutdown must not break logging
             return -1
 
+    def _rank_size(self) -> tuple[int, int]:
+        """While Horovod is down (a reset) a background thread's event (the checkpoint writer's)
+        keeps the rank and size this process last had, not -1: readers filter on rank 0."""
+        rank, size = self._value(self._rank), self._value(self._size)
+        if rank < 0 or size < 0:
+            return self._last
+        self._last = (rank, size)
+        return rank, size
+
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
+        rank, size = self._rank_size()
         record: dict[str, Any] = {
             "ts": time.time(),
             "event": event,
-            "rank": self._value(self._rank),
-            "size": self._value(self._size),
+            "rank": rank,
+            "size": size,
             "step": self._value(self.step_source if self.step_source is not None else 0),
         }
         record.update(_clean(fields))

@@ -93,14 +93,18 @@ class S3Server:
         reader_access_key, reader_secret_key: an identity allowed only to read and list.
     """
 
-    def __init__(self, workdir: Path, bucket: str = "ckpt") -> None:
+    def __init__(self, workdir: Path, bucket: str = "ckpt", *, ip: str = "127.0.0.1",
+                 wrap: tuple[str, ...] = ()) -> None:
+        """``ip``: the address to serve on; ``wrap``: a command prefix for ``weed`` (the
+        chaos tests run it inside a network namespace with ``ip netns exec NS``)."""
         self.workdir = Path(workdir)
+        self.ip, self.wrap = ip, tuple(wrap)
         self.data = self.workdir / "data"
         self.data.mkdir(parents=True, exist_ok=True)
         self.log_path = self.workdir / "weed.log"
         self.bucket = bucket
         self.ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS)), strict=True))
-        self.endpoint = f"http://127.0.0.1:{self.ports['s3.port']}"
+        self.endpoint = f"http://{ip}:{self.ports['s3.port']}"
         token = uuid.uuid4().hex
         self.access_key, self.secret_key = f"AKADMIN{token[:12].upper()}", f"admin-{token}"
         self.reader_access_key = f"AKREAD{token[12:24].upper()}"
@@ -162,7 +166,8 @@ class S3Server:
         if self.running:
             return
         args = [
-            self.weed, "mini", f"-dir={self.data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+            *self.wrap, self.weed, "mini", f"-dir={self.data}", f"-ip={self.ip}",
+            f"-ip.bind={self.ip}",
             f"-bucket={self.bucket}", f"-s3.config={self.config_path}",
             *(f"-{flag}={port}" for flag, port in self.ports.items()),
             "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0",

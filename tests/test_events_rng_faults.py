@@ -98,3 +98,20 @@ def test_memory_growth_flagged_only_when_steady():
     flat = GrowthWatch(resets=3, min_growth=0.10)
     assert all(flat.at_reset(x) is None for x in (100, 130, 120, 150, 140))
     assert sample()["rss_bytes"] > 0
+
+
+def test_event_during_a_reset_keeps_the_last_rank_and_size(tmp_path):
+    up = {"rank": 0, "size": 3}
+
+    def rank() -> int:
+        if up["rank"] is None:
+            raise ValueError("Horovod has not been initialized")  # what hvd.rank() does then
+        return up["rank"]
+
+    log = EventLog(tmp_path / "e.jsonl", rank=rank, size=lambda: up["size"])
+    log.emit("commit")
+    up["rank"] = None  # shut down for a reset: the checkpoint writer still reports
+    e = log.emit("checkpoint_saved")
+    assert (e["rank"], e["size"]) == (0, 3)
+    fresh = EventLog(tmp_path / "f.jsonl", rank=rank)
+    assert fresh.emit("start")["rank"] == -1  # nothing known yet: says so

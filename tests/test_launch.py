@@ -47,6 +47,12 @@ def test_elastic_dry_run_sets_the_flags_that_matter(tmp_path):
         assert flag in r.stdout.splitlines()[0]
     # slot hosts by default: Horovod's launcher run through our driver module
     assert "-m hvd_resilient.launch.horovod_driver -np 2" in r.stdout.splitlines()[0]
+    tuned = cli("run", "--discovery", str(d), "--np", "2", "--reset-limit", "5",
+                "--elastic-timeout", "60", "--blacklist-cooldown-range", "3", "9",
+                "--run-dir", str(tmp_path), "--dry-run", "--", "python", "t.py")
+    assert tuned.returncode == 0, tuned.stderr
+    for flag in ("--reset-limit 5", "--elastic-timeout 60", "--blacklist-cooldown-range 3 9"):
+        assert flag in tuned.stdout.splitlines()[0]
     plain = cli("run", "--discovery", str(d), "--np", "2", "--no-slot-hosts",
                 "--network-interface", "lo", "--run-dir", str(tmp_path), "--dry-run", "--",
                 "python", "t.py")

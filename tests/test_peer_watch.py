@@ -103,3 +103,23 @@ def test_stall_fault_sleeps_and_does_not_raise(tmp_path):
     assert time.monotonic() - t0 >= 0.2
     fired = list(tmp_path.glob(".fault-*"))
     assert len(fired) == 1 and float(fired[0].read_text()) > 0  # when it fired
+
+
+def test_driver_watch_calls_lost_after_consecutive_failed_probes():
+    from hvd_resilient import driver_watch
+
+    server = socket.create_server(("127.0.0.1", 0))
+    address = server.getsockname()[:2]
+    assert driver_watch.reachable(address)
+    lost = threading.Event()
+    stop = threading.Event()
+    t = threading.Thread(target=driver_watch.watch, args=(address, lost.set, stop, 0.05, 3))
+    t.start()
+    assert not lost.wait(0.5), "a live driver was taken for lost"
+    server.close()  # the driver dies: connections are refused from now on
+    assert lost.wait(5), "a dead driver was not noticed"
+    t.join(5)
+    assert driver_watch.driver_address({}) is None
+    assert driver_watch.driver_address({"HOROVOD_GLOO_RENDEZVOUS_ADDR": "10.0.0.1",
+                                        "HOROVOD_GLOO_RENDEZVOUS_PORT": "4444"}) == (
+        "10.0.0.1", 4444)

@@ -85,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--network-interface")
     p.add_argument("--ssh-port", type=int, default=22, help="checked before launch")
     p.add_argument("--gloo-timeout-seconds", type=int)
+    p.add_argument("--reset-limit", type=int,
+                   help="horovod: stop after this many resets (default: no limit)")
+    p.add_argument("--elastic-timeout", type=int,
+                   help="horovod: seconds to wait for --min-np slots (default 600)")
+    p.add_argument("--blacklist-cooldown-range", type=int, nargs=2, metavar=("MIN", "MAX"),
+                   help="horovod: a failed slot is readmitted after MIN..MAX s (default 10 30)")
     p.add_argument("--no-slot-hosts", dest="slot_hosts", action="store_false", default=None,
                    help="horovod: blacklist whole hosts on a failure, as plain horovodrun does "
                         "(default: per slot, so one dead worker never ends a one-host job)")
@@ -149,6 +155,9 @@ def launcher_command(opts: dict[str, Any], env_names: list[str]) -> list[str]:
             network_interface=opts.get("network_interface"),
             gloo_timeout_seconds=opts["gloo_timeout_seconds"],
             slot_hosts=opts.get("slot_hosts", True),
+            reset_limit=opts.get("reset_limit"),
+            elastic_timeout=opts.get("elastic_timeout") or 600,
+            blacklist_cooldown=tuple(opts.get("blacklist_cooldown_range") or (10, 30)),
         )
         return horovodrun_command(launch, train)
     return horovodrun_static(opts["np"], hosts, opts.get("network_interface"), train)

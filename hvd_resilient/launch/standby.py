@@ -32,12 +32,15 @@ def _url(scope: str, key: str) -> str:
     return f"http://{addr}:{port}/{scope}/{key}"
 
 
-def _exists(url: str) -> bool:
+def _exists(url: str) -> bool | None:
+    """True/False as the driver answers; None when the driver does not answer at all."""
     try:
         with urllib.request.urlopen(url, timeout=5):
             return True
-    except (urllib.error.URLError, OSError):
+    except urllib.error.HTTPError:
         return False
+    except (urllib.error.URLError, OSError):
+        return None
 
 
 def _put(url: str) -> None:
@@ -79,9 +82,12 @@ def main() -> None:
     _put(_url(READY, key))
     go = _url(GO, key)
     deadline = time.monotonic() + MAX_WAIT_S
-    while not _exists(go):
-        if time.monotonic() > deadline:
-            sys.exit(0)
+    silent_since = None
+    while (answer := _exists(go)) is not True:
+        now = time.monotonic()
+        silent_since = (silent_since or now) if answer is None else None
+        if now > deadline or (silent_since is not None and now - silent_since > 5.0):
+            sys.exit(0)  # never released, or the driver is gone
         time.sleep(0.05)
     run_in_process(cmd)
 

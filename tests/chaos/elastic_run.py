@@ -27,29 +27,47 @@ class ElasticRun:
     def __init__(self, chaos: Any, cluster: Cluster, name: str, *, expect_sizes: list[int],
                  commit_every: int = 5, steps_at_each: int = 20, slots: int = 1,
                  fault: str | None = None, job_args: tuple[str, ...] = (),
-                 health_filter: bool = False) -> None:
+                 health_filter: bool = False, hosts: list[Host] | None = None,
+                 np: int | None = None, min_np: int = 1,
+                 horovod_args: tuple[str, ...] = tuple(HOROVOD_ARGS),
+                 env: dict[str, str] | None = None, supervised: int | None = None,
+                 checkpoint: str = "", checkpoint_every: int = 20) -> None:
+        """`hosts`: the hosts discovery lists (default all); `np`: workers to start and the
+        most the job may grow to (default every slot); `supervised`: launch through
+        `hvd-resilient run --max-restarts N` instead of a bare horovodrun; `checkpoint`: a
+        file:// or s3:// URL for durable checkpoints every `checkpoint_every` steps."""
         self.cluster = cluster
         self.name = name
         self.commit_every = commit_every
         self.dir: Path = chaos.tmp / name
         self.run = self.dir / "run"
         self.run.mkdir(parents=True)
-        self.hosts_file, discover = write_discovery(self.dir, cluster.hostfile(slots=slots))
+        self.hosts_file, discover = write_discovery(self.dir, cluster.hostfile(hosts, slots))
         if health_filter:  # keep only hosts whose sshd accepts a TCP connection
             discover.write_text(
                 f"#!/bin/sh\nexec {PYTHON} {ROOT}/discovery/health-filter --port {cluster.port} "
                 f"--timeout 0.5 -- {PYTHON} {ROOT}/discovery/hostfile {self.hosts_file}\n")
-        n = len(cluster.hosts) * slots
-        cmd = [
-            str(VENV_BIN / "horovodrun"), "-np", str(n), "--min-np", "1", "--max-np", str(n),
-            "--host-discovery-script", str(discover), *cluster.horovodrun_args(),
-            *HOROVOD_ARGS,
-            PYTHON, JOB, "--run-dir", str(self.run),
-            "--expect-sizes", ",".join(map(str, expect_sizes)),
-            "--steps-at-each", str(steps_at_each), "--commit-every", str(commit_every),
-            *job_args,
-        ]
-        extra = {"HVD_RESILIENT_FAULT": fault} if fault else {}
+        n = np or len(hosts or cluster.hosts) * slots
+        train = [PYTHON, JOB, "--run-dir", str(self.run),
+                 "--expect-sizes", ",".join(map(str, expect_sizes)),
+                 "--steps-at-each", str(steps_at_each), "--commit-every", str(commit_every),
+                 *job_args]
+        if checkpoint:
+            train += ["--checkpoint-url", checkpoint, "--checkpoint-every", str(checkpoint_every)]
+        if supervised is None:
+            cmd = [str(VENV_BIN / "horovodrun"), "-np", str(n), "--min-np", str(min_np),
+                   "--max-np", str(n), "--host-discovery-script", str(discover),
+                   *cluster.horovodrun_args(), *horovod_args, *train]
+        else:  # ssh port and key come from the run's ssh wrapper (first on PATH)
+            cmd = [str(VENV_BIN / "hvd-resilient"), "run", "--discovery", str(discover),
+                   "--np", str(n), "--min-np", str(min_np), "--max-np", str(n),
+                   "--network-interface", cluster.iface,
+                   "--gloo-timeout-seconds", str(GLOO_TIMEOUT), "--run-id", name,
+                   "--run-dir", str(self.run), "--max-restarts", str(supervised),
+                   *(["--checkpoint", checkpoint] if checkpoint else []), "--", *train]
+        extra = dict(env or {})
+        if fault:
+            extra["HVD_RESILIENT_FAULT"] = fault
         env = cluster.env(chaos.jobs.env(**extra))
         self.job: Job = chaos.jobs.start(cmd, env=env, cwd=self.dir, name=name)
         cluster.adopt(self.job.proc.pid)

@@ -4,6 +4,13 @@ Stops after --steps optimizer steps, or (with --expect-sizes) once the job has s
 sequence of world sizes. At every commit each rank appends the sample ids it trained on since
 its last commit to samples.jsonl; ids trained after the last commit are dropped by the reset
 callback, so the file holds exactly what the committed model saw.
+
+With --checkpoint-url the job also writes durable checkpoints (hvd_resilient.durable, as the
+Trainer does) every --checkpoint-every steps and resumes from the newest verified one on start.
+A resumed job first drops the samples.jsonl lines of steps after the checkpoint (work the
+killed job did that the checkpoint does not hold), so the file still holds exactly what the
+model saw. --ballast-mb adds a buffer of that size to the model: a checkpoint big enough to
+take a while to upload.
 """
 
 from __future__ import annotations
@@ -19,6 +26,9 @@ from torch import nn
 
 import hvd_resilient
 from hvd_resilient import log
+from hvd_resilient.backends.horovod import HorovodBackend
+from hvd_resilient.config import TrainConfig
+from hvd_resilient.durable import DurableCheckpoints
 from hvd_resilient.events import EventLog
 from hvd_resilient.faults import ENV, FaultPlan
 from hvd_resilient.sampler import ElasticDataSampler
@@ -37,6 +47,9 @@ def main() -> int:
     p.add_argument("--commit-every", type=int, default=5)
     p.add_argument("--step-time", type=float, default=0.01, help="simulated compute per step")
     p.add_argument("--max-steps", type=int, default=20000)
+    p.add_argument("--checkpoint-url", default="", help="file:// or s3:// (default: none)")
+    p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument("--ballast-mb", type=float, default=0.0)
     a = p.parse_args()
     expected = [int(x) for x in a.expect_sizes.split(",") if x]
 
@@ -47,10 +60,13 @@ def main() -> int:
     x = torch.randn(N_SAMPLES, 16)
     y = (x.sum(1) > 0).long()
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 2))
+    if a.ballast_mb:  # random, so that no layer of the stack can compress it away
+        n = int(a.ballast_mb * 2**20 / 4)
+        model.register_buffer("ballast", torch.rand(n, generator=torch.Generator().manual_seed(1)))
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
                                    named_parameters=model.named_parameters())
     events = EventLog(os.path.join(a.run_dir, "events.jsonl"), rank=hvd.rank, size=hvd.size)
-    events.emit("start", pid=os.getpid())
+    events.emit("start", pid=os.getpid(), host=os.environ.get("HOROVOD_HOSTNAME"))
     # (size, first step seen at) for every world size so far: a committed attribute, so every
     # rank (a worker that joins later too, through sync) decides to stop at the same step.
     state = ElasticState(model, opt, sampler=ElasticDataSampler(N_SAMPLES, seed=0),
@@ -58,6 +74,16 @@ def main() -> int:
     pending: list[tuple[int, list[int]]] = []  # (epoch, ids) trained since the last commit
     state.register_reset_callbacks([pending.clear])
     samples_path = os.path.join(a.run_dir, "samples.jsonl")
+    durable = None
+    if a.checkpoint_url:
+        durable = DurableCheckpoints(
+            TrainConfig(run_id="chaos", run_dir=a.run_dir, checkpoint_url=a.checkpoint_url,
+                        checkpoint_every=a.checkpoint_every, keep_last=100),
+            state, events, HorovodBackend())
+        # Rank 0 of a fresh start (new workers join at the end, so never a late joiner): the
+        # others wait in the first sync, which spreads what it loaded.
+        if hvd.rank() == 0 and durable.resume() is not None:
+            keep_committed_samples(samples_path, state.step)
 
     def finished() -> bool:
         if a.steps:
@@ -96,13 +122,30 @@ def main() -> int:
                 stop = finished()
                 flush()  # before commit: it may raise HostsUpdatedInterrupt after saving
                 state.commit()
+                if durable is not None and durable.due():
+                    durable.save()
+                    if hvd.rank() == 0:  # the upload runs in the background from here on
+                        events.emit("checkpoint_submitted")
                 if stop:
                     return
 
     train(state)
+    if durable is not None:
+        durable.close(timeout=120)
     events.emit("done", params_sha256=state.params_sha256(),
                 sizes=[s for s, _ in state.sizes_seen])
     return 0 if state.step < a.max_steps else 3
+
+
+def keep_committed_samples(path: str, step: int) -> None:
+    """Drops the lines of steps after `step` (the checkpoint just resumed)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as fh:
+        kept = [line for line in fh if line.strip() and json.loads(line)["step"] <= step]
+    with open(path + ".tmp", "w") as fh:
+        fh.writelines(kept)
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,75 @@
+"""A worker exits when its horovodrun driver is gone, so no orphan trains on beside a relaunch.
+
+When the driver (horovodrun) is killed, Horovod ends its ssh clients, but a worker in a non-tty
+remote session receives no signal: it trains on, and its rank 0 keeps writing checkpoints while
+`hvd-resilient run` (or the scheduler) has already started the job again. Every elastic worker
+therefore probes the driver's rendezvous server (the address Horovod gives it) once a second; a
+few failed connections in a row (a refused connection is immediate when the driver's host is up)
+mean the driver is gone, and the worker exits with DRIVER_LOST_EXIT_CODE after saying so. A
+partitioned host is treated the same way: it cannot rejoin its job anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
+
+from hvd_resilient.errors import DRIVER_LOST_EXIT_CODE
+from hvd_resilient.events import EventLog
+from hvd_resilient.log import get
+
+log = get("driver_watch")
+PROBE_EVERY_S = 1.0
+LOST_AFTER = 3  # consecutive failed probes
+
+_started = False
+_lock = threading.Lock()
+
+
+def driver_address(env: dict[str, str] | os._Environ[str] = os.environ) -> tuple[str, int] | None:
+    addr, port = env.get("HOROVOD_GLOO_RENDEZVOUS_ADDR"), env.get("HOROVOD_GLOO_RENDEZVOUS_PORT")
+    if not addr or not port:
+        return None
+    return addr, int(port)
+
+
+def reachable(address: tuple[str, int], timeout: float = 1.0) -> bool:
+    try:
+        socket.create_connection(address, timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def watch(address: tuple[str, int], on_lost: Callable[[], None], stop: threading.Event,
+          every: float = PROBE_EVERY_S, lost_after: int = LOST_AFTER) -> None:
+    failures = 0
+    while not stop.wait(every):
+        failures = 0 if reachable(address) else failures + 1
+        if failures >= lost_after:
+            on_lost()
+            return
+
+
+def start(events: EventLog) -> bool:
+    """Once per process; False outside an elastic horovodrun job."""
+    global _started
+    address = driver_address()
+    with _lock:
+        if address is None or _started:
+            return False
+        _started = True
+
+    def lost() -> None:
+        events.emit("driver_lost", driver=f"{address[0]}:{address[1]}")
+        log.error("the horovodrun driver at %s:%d is gone; exiting (code %d) so that no "
+                  "orphaned worker trains on beside a relaunch", *address, DRIVER_LOST_EXIT_CODE)
+        logging.shutdown()
+        os._exit(DRIVER_LOST_EXIT_CODE)
+
+    threading.Thread(target=watch, args=(address, lost, threading.Event()), daemon=True,
+                     name="hvd-resilient-driver-watch").start()
+    return True
