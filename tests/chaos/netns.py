@@ -599,14 +599,15 @@ class Cluster:
 
     def slow(self, h: Host, *, delay_ms: int = 50, rate: str = "2mbit") -> str:
         """Slows the host's link both ways: netem delay where the kernel has it, else a tbf
-        rate limit (this machine's kernel has no netem). Returns what was applied."""
+        rate limit (this machine's kernel has no netem; `delay_ms=0` asks for the rate limit
+        everywhere). Returns what was applied."""
         applied = ""
         for ns_args in ([], ["-n", h.ns]):
             dev = h.veth if not ns_args else self.iface
             base = ["tc", *ns_args, "qdisc", "replace", "dev", dev, "root"]
             r = subprocess.run([*base, "netem", "delay", f"{delay_ms}ms"], capture_output=True,
-                               text=True, timeout=CMD_TIMEOUT)
-            if r.returncode == 0:
+                               text=True, timeout=CMD_TIMEOUT) if delay_ms else None
+            if r is not None and r.returncode == 0:
                 applied = f"netem delay {delay_ms}ms"
                 continue
             _run(*base, "tbf", "rate", rate, "burst", "8kb", "latency", "500ms")

@@ -51,3 +51,22 @@ def test_slow_link_without_failure_causes_no_reset(chaos):
     numbers["s_per_step_slowed"] = per_step([e for e in commits if e["step"] > base["step"]])
     run.report(numbers)
     assert not run.of("restore") and not run.of("reset"), "a slow link caused a reset"
+
+
+def test_big_allreduce_over_a_slow_link_is_not_a_failure(chaos):
+    """100 MB allreduces over a link throttled until each takes several seconds: longer than
+    the 3 s Gloo timeout a vanilla user would need for fast detection, so that lever would have
+    reset the job; the hang-up watch needs no short timeout and raises no alarm."""
+    c = chaos.cluster(3)
+    host = c.hosts[1]
+    c.slow(host, delay_ms=0, rate="200mbit")
+    run = ElasticRun(chaos, c, "big-allreduce", expect_sizes=[3], steps_at_each=50,
+                     job_args=("--allreduce-mb", "100", "--allreduce-every", "10"))
+    numbers = run.check([3], timeout=300)
+    took = [e["seconds"] for e in run.of("big_allreduce")]
+    assert len(took) >= 3, took
+    assert min(took) > 3, f"the link was not slow enough to make the point: {took}"
+    assert not run.of("failure_detected") and not run.of("reset"), "a slow allreduce was taken " \
+        "for a failure"
+    numbers.update(big_allreduce_s=took)
+    run.report(numbers)

@@ -50,6 +50,9 @@ def main() -> int:
     p.add_argument("--checkpoint-url", default="", help="file:// or s3:// (default: none)")
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--ballast-mb", type=float, default=0.0)
+    p.add_argument("--allreduce-mb", type=float, default=0.0,
+                   help="also allreduce a tensor this big every --allreduce-every steps")
+    p.add_argument("--allreduce-every", type=int, default=10)
     a = p.parse_args()
     expected = [int(x) for x in a.expect_sizes.split(",") if x]
 
@@ -112,6 +115,11 @@ def main() -> int:
                 loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
                 (loss * len(sl.indices) * hvd.size() / sl.global_count).backward()
             opt.step()
+            if a.allreduce_mb and state.step % a.allreduce_every == 0:
+                t0 = time.perf_counter()
+                hvd.allreduce(torch.ones(int(a.allreduce_mb * 2**20 / 4)), name="big")
+                if hvd.rank() == 0:
+                    events.emit("big_allreduce", seconds=round(time.perf_counter() - t0, 3))
             time.sleep(a.step_time)
             pending.append((state.sampler.epoch, sl.indices))
             state.sampler.advance(sl.global_count)
