@@ -56,10 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     trainer = Trainer(model, optimizer, nn.functional.cross_entropy, train, cfg)
     result = trainer.fit()
+    # Every rank evaluates: with --fsdp each forward is a collective (it gathers the shards).
+    model.eval()
+    with torch.no_grad():
+        acc = (model(x_test).argmax(1) == y_test).float().mean().item()
     if result.rank == 0:
-        model.eval()
-        with torch.no_grad():
-            acc = (model(x_test).argmax(1) == y_test).float().mean().item()
         out = {"accuracy": acc, "step": result.step, "epoch": result.epoch, "loss": result.loss}
         with open(os.path.join(cfg.run_dir, "result.json"), "w") as fh:
             json.dump(out, fh)

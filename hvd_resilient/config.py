@@ -62,6 +62,9 @@ class TrainConfig:
     """On SIGTERM/SIGUSR1, time allowed for the final synchronous checkpoint."""
     log_every: int = 50
     """Progress line every N steps on rank 0."""
+    fsdp: bool = False
+    """Shard parameters, gradients and optimizer state across ranks (FSDP2, torchrun only);
+    checkpoints are then sharded too and reshard when resumed at another world size."""
 
     def __post_init__(self) -> None:
         for name in ("epochs", "batch_size", "commit_every", "keep_last", "log_every"):

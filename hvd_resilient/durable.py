@@ -15,11 +15,9 @@ from typing import Any
 from hvd_resilient import rng
 from hvd_resilient.backends.base import Backend
 from hvd_resilient.checkpoint.manager import CheckpointManager
-from hvd_resilient.checkpoint.serialize import (
-    check_state_dict_keys,
-    from_bytes,
-    snapshot_state_dict,
-)
+from hvd_resilient.checkpoint.manifest import REPLICATED, CheckpointInfo
+from hvd_resilient.checkpoint.serialize import check_state_dict_keys, snapshot_state_dict
+from hvd_resilient.checkpoint.split import LEGACY_FILE, decode_file, join_state, split_state
 from hvd_resilient.checkpoint.writer import AsyncCheckpointWriter
 from hvd_resilient.config import TrainConfig
 from hvd_resilient.errors import ResumeError
@@ -28,7 +26,7 @@ from hvd_resilient.log import get
 from hvd_resilient.state_core import StateCore
 
 log = get("durable")
-STATE_FILE = "state.pt"
+STATE_FILE = LEGACY_FILE
 
 
 class DurableCheckpoints:
@@ -66,24 +64,33 @@ class DurableCheckpoints:
         """Loads the newest verified checkpoint into the state (rank 0 under Horovod, every
         rank under torchrun). No collective here: under Horovod a worker that joins later runs
         this code too, while the others wait in sync."""
-        found = self.manager.load_latest()
+        found = self.manager.load_latest(decode=decode_file)
         if found is None:
             log.info("no checkpoint at %s: starting from scratch", self.config.checkpoint_url)
             return None
         info, files = found
-        sd = from_bytes(files[STATE_FILE])
+        if info.layout != REPLICATED:
+            raise ResumeError(
+                f"checkpoint {self.config.checkpoint_url} step {info.step} is {info.layout} "
+                f"(written with fsdp at world size {info.world_size}); resume it with --fsdp "
+                "under torchrun, or start a new run id")
         expected = self.state.model_keys()
         try:
+            sd = join_state(files)
             check_state_dict_keys(expected, set(sd["model"]))
         except Exception as e:
             raise ResumeError(f"checkpoint {self.config.checkpoint_url} step {info.step}: {e}") \
                 from None
         self.state.load_checkpoint_state(sd)
+        return self._resumed(info)
+
+    def _resumed(self, info: CheckpointInfo) -> int:
+        """Bookkeeping once a checkpoint is in the state: the resume event and log line."""
         self.last_saved_step = self.state.step
         self._last_save_time = info.created
         if self.backend.rank() == 0:
             self.events.emit("resume", from_step=self.state.step, epoch=self.state.epoch,
-                             saved_world_size=info.world_size)
+                             saved_world_size=info.world_size, layout=info.layout)
         log.info("resumed from checkpoint step %d (epoch %d, saved at world size %d)",
                  self.state.step, self.state.epoch, info.world_size)
         return self.state.step
@@ -107,7 +114,7 @@ class DurableCheckpoints:
         if self.backend.rank() != 0:
             return
         def payload() -> dict[str, Any]:
-            return {STATE_FILE: snapshot_state_dict(self.state.checkpoint_state(streams))}
+            return split_state(snapshot_state_dict(self.state.checkpoint_state(streams)))
 
         kwargs = dict(step=self.state.step, epoch=self.state.epoch, world_size=self.backend.size(),
                       run_id=self.config.run_id)

@@ -60,11 +60,16 @@ class StateCore:
         return self.sampler.epoch
 
     def params_sha256(self) -> str:
-        """One digest of every parameter and buffer: equal across ranks iff they agree."""
+        """One digest of every parameter and buffer: equal across ranks iff they agree.
+
+        A sharded (FSDP) tensor is gathered one at a time, so the digest is of the whole model
+        (comparable across world sizes) and never holds more than one full tensor: a
+        collective on every rank, in the same sorted order."""
         h = hashlib.sha256()
         for name, t in sorted(self.model.state_dict().items()):
+            full = getattr(t, "full_tensor", None)  # a DTensor shard
             h.update(name.encode())
-            h.update(t.detach().cpu().contiguous().numpy().tobytes())
+            h.update((full() if full else t).detach().cpu().contiguous().numpy().tobytes())
         return h.hexdigest()
 
     # -- after a (re)start ------------------------------------------------------------------
@@ -100,6 +105,14 @@ class StateCore:
         out: dict[str, Any] = {
             "model": _unwrapped(self.model).state_dict(),
             "optimizer": self.optimizer.state_dict(),
+        }
+        out.update(self.run_state(rng_streams))
+        return out
+
+    def run_state(self, rng_streams: list[dict[str, Any]]) -> dict[str, Any]:
+        """Everything but the model and optimizer: small, the same on every rank, and so
+        saved once by rank 0 even when the model itself is sharded."""
+        out: dict[str, Any] = {
             "sampler": self.sampler.state_dict(),
             "counters": {"step": self.step, "samples": self.samples, "lr_scale": self.lr_scale},
             "rng": {"world_size": len(rng_streams), "streams": rng_streams},
@@ -113,6 +126,10 @@ class StateCore:
         """Applies a durable checkpoint locally (no collective)."""
         _unwrapped(self.model).load_state_dict(sd["model"])
         self.optimizer.load_state_dict(sd["optimizer"])
+        self.load_run_state(sd)
+
+    def load_run_state(self, sd: dict[str, Any]) -> None:
+        """Applies what :meth:`run_state` saved (no collective)."""
         self.sampler.load_state_dict(sd["sampler"])
         if self.scheduler is not None and "scheduler" in sd:
             self.scheduler.load_state_dict(sd["scheduler"])

@@ -45,8 +45,8 @@ class TorchrunState(StateCore):
         return self._size_fn()
 
     def sync(self) -> None:
-        """DDP's constructor already broadcast rank 0's parameters, and every rank loaded the
-        same checkpoint: only the per-rank parts are left."""
+        """DDP's constructor (or `fsdp.shard`) already broadcast rank 0's parameters, and every
+        rank loaded the same checkpoint: only the per-rank parts are left."""
         self._apply_start_rng()
         self._apply_lr_scaling()
 

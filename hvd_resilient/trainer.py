@@ -106,7 +106,7 @@ class Trainer:
 
     def fit(self) -> FitResult:
         cfg = self.config
-        backend = self.backend = backends.get(self.backend_name)
+        backend = self.backend = backends.get(self.backend_name, fsdp=cfg.fsdp)
         backend.init(self.comm)
         log.setup(rank_fn=backend.rank)
         share_cores(backend.local_size())
@@ -118,7 +118,7 @@ class Trainer:
             model, optimizer, sampler=sampler, scheduler=self.scheduler, seed=cfg.seed,
             lr_scaling=cfg.lr_scaling, events=events, last_loss=math.nan,
         )
-        durable = DurableCheckpoints(cfg, state, events, backend)
+        durable = _durable_class(cfg.fsdp)(cfg, state, events, backend)
         rank0 = backend.rank() == 0
         events.emit("start", pid=os.getpid(), host=socket.gethostname(), backend=backend.name,
                     run_id=cfg.run_id, config=cfg.to_dict() if rank0 else None)
@@ -255,6 +255,15 @@ class Trainer:
             logger.warning("stopping on a termination signal after a final checkpoint at step %d",
                            state.step)
         raise Preempted()
+
+
+def _durable_class(sharded: bool) -> type[DurableCheckpoints]:
+    """Sharded (FSDP) models save every rank's shards; replicated ones save rank 0's copy."""
+    if not sharded:
+        return DurableCheckpoints
+    from hvd_resilient.durable_sharded import ShardedDurableCheckpoints
+
+    return ShardedDurableCheckpoints
 
 
 def _to(batch: Any, device: torch.device) -> Any:

@@ -26,6 +26,9 @@ def test_roundtrip_loads_onto_cpu() -> None:
     fresh.load_state_dict(back["model"])
     assert torch.equal(fresh.weight, model.weight)
     assert bytes(to_buffer({"x": 1})) == to_bytes({"x": 1})
+    # Downloads arrive as bytearray / memoryview: loaded without an extra copy of the input.
+    for view in (bytearray(data), memoryview(bytearray(data))):
+        assert torch.equal(from_bytes(view)["model"]["weight"], model.weight)
 
 
 class Evil:

@@ -98,6 +98,21 @@ def test_large_object_multipart_and_ranged(store: CheckpointStore, tmp_path) -> 
         store.get_into("big/blob", len(data) - 1)
 
 
+def test_get_into_a_reused_buffer(store: CheckpointStore) -> None:
+    data = _blob(12 * MiB + 7, seed=3)  # above the S3 fixture's multipart threshold
+    store.put("big", data)
+    store.put("small", b"abc")
+    buf = bytearray(len(data))
+    out = store.get_into("big", len(data), memoryview(buf))
+    assert out.obj is buf and buf == data
+    small = memoryview(buf)[:3]
+    assert bytes(store.get_into("small", 3, small)) == b"abc"
+    with pytest.raises(ValueError, match="out holds 3 bytes, expected 4"):
+        store.get_into("small", 4, small)
+    with pytest.raises(SizeMismatchError):
+        store.get_into("big", len(data) - 1, memoryview(buf)[:-1])
+
+
 def test_s3_large_put_really_is_multipart(s3_server, s3_url) -> None:
     st = open_store(s3_url, part_size=5 * MiB)
     st.put("m", _blob(12 * MiB))

@@ -121,13 +121,13 @@ def test_resume_at_another_world_size_continues_the_epoch(tmp_path, jobs):
     # Exact-once across the size changes: every sample counted so far is where the sampler
     # stands (epoch * N + position in the epoch), in every checkpoint that is kept.
     from hvd_resilient.checkpoint.manager import CheckpointManager
-    from hvd_resilient.checkpoint.serialize import from_bytes
+    from hvd_resilient.checkpoint.split import decode_file, join_state
 
     manager = CheckpointManager((run / "checkpoints").as_uri())
     kept = manager.list()
     assert kept and kept[-1].step == 90
     for info in kept:
-        sd = from_bytes(manager.load(info)["state.pt"])
+        sd = join_state(manager.load(info, decode_file))
         n, sampler = sd["sampler"]["num_samples"], sd["sampler"]
         assert sd["counters"]["samples"] == sampler["epoch"] * n + sampler["consumed"], info.step
     done = [e for e in evs if e["event"] == "done" and e["size"] == 3]

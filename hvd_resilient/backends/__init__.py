@@ -21,8 +21,14 @@ def detect(env: Mapping[str, str] = os.environ) -> str:
     return "torchrun" if "TORCHELASTIC_RUN_ID" in env else "horovod"
 
 
-def get(name: str | None = None) -> Backend:
+def get(name: str | None = None, *, fsdp: bool = False) -> Backend:
+    """The backend called ``name`` (default: the launcher's). ``fsdp`` shards the model
+    (torchrun only: asking for it on Horovod is a ConfigError, before anything starts)."""
     name = name or detect()
+    if fsdp and name in NAMES:
+        from hvd_resilient.fsdp import require_torchrun
+
+        require_torchrun(name)
     if name == "horovod":
         from hvd_resilient.backends.horovod import HorovodBackend
 
@@ -30,7 +36,7 @@ def get(name: str | None = None) -> Backend:
     if name == "torchrun":
         from hvd_resilient.backends.torch_dist import TorchDistBackend
 
-        return TorchDistBackend()
+        return TorchDistBackend(fsdp=fsdp)
     raise ConfigError(f"backend must be one of {', '.join(NAMES)}, got {name!r}")
 
 

@@ -1,4 +1,5 @@
-"""torch.distributed under torchrun: DDP over NCCL on GPUs, Gloo on CPUs.
+"""torch.distributed under torchrun: DDP (or FSDP2 with `fsdp=True`) over NCCL on GPUs, Gloo
+on CPUs.
 
 torchrun restarts every worker after a failure; the restarted workers resume from the newest
 durable checkpoint. A plain `init_process_group` hangs after such a restart: the workers share
@@ -26,8 +27,10 @@ class TorchDistBackend(Backend):
     name = "torchrun"
     resume_on_every_rank = True
 
-    def __init__(self) -> None:
+    def __init__(self, fsdp: bool = False) -> None:
         self.device = torch.device("cpu")
+        self.fsdp = fsdp
+        """Shard the model (FSDP2) instead of replicating it (DDP)."""
 
     def init(self, comm: Any | None = None) -> None:
         env = os.environ
@@ -53,6 +56,10 @@ class TorchDistBackend(Backend):
         return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
     def wrap(self, model: Any, optimizer: Any) -> tuple[Any, Any]:
+        if self.fsdp:
+            from hvd_resilient import fsdp
+
+            return fsdp.shard(model, optimizer, self.device), optimizer
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model.to(self.device)

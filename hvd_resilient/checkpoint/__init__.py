@@ -1,7 +1,8 @@
 """Durable checkpoints: ``file://`` and ``s3://`` stores, manifests, an async writer.
 
 Pure storage and serialization: nothing here imports Horovod or torch.distributed, and torch
-and boto3 are imported only when first needed.
+and boto3 are imported only when first needed. The exceptions are ``sharded`` and ``dcp_safe``
+(FSDP checkpoints through ``torch.distributed.checkpoint``), which this package does not import.
 """
 
 from hvd_resilient.checkpoint.manager import (

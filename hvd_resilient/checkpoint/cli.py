@@ -13,10 +13,10 @@ import time
 from typing import TextIO
 
 from hvd_resilient.checkpoint.manager import CheckpointError, CheckpointManager, ScanResult
-from hvd_resilient.checkpoint.manifest import CheckpointInfo, step_dir
+from hvd_resilient.checkpoint.manifest import SHARDED, CheckpointInfo, step_dir
 from hvd_resilient.checkpoint.store import StoreError
 
-HEADER = ("STEP", "EPOCH", "WORLD", "CREATED (UTC)", "SIZE", "FILES", "STATE")
+HEADER = ("STEP", "EPOCH", "WORLD", "CREATED (UTC)", "SIZE", "FILES", "LAYOUT", "STATE")
 
 
 def human_bytes(n: float) -> str:
@@ -31,9 +31,14 @@ def _created(ts: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ts)) if ts else "-"
 
 
+def _layout(info: CheckpointInfo) -> str:
+    """``replicated``, or ``sharded/N`` for N shard files (one per rank at save)."""
+    return f"{info.layout}/{info.shard_files}" if info.layout == SHARDED else info.layout
+
+
 def _row(info: CheckpointInfo, state: str) -> tuple[str, ...]:
     return (str(info.step), str(info.epoch), str(info.world_size), _created(info.created),
-            human_bytes(info.total_bytes), str(len(info.files)), state)
+            human_bytes(info.total_bytes), str(len(info.files)), _layout(info), state)
 
 
 def _table(rows: list[tuple[str, ...]], out: TextIO) -> None:
@@ -43,9 +48,9 @@ def _table(rows: list[tuple[str, ...]], out: TextIO) -> None:
 
 
 def _other_rows(scan: ScanResult) -> list[tuple[int, tuple[str, ...]]]:
-    rows = [(s, (str(s), "-", "-", "-", "-", str(len(k)), "partial (no manifest)"))
+    rows = [(s, (str(s), "-", "-", "-", "-", str(len(k)), "-", "partial (no manifest)"))
             for s, k in scan.partial.items()]
-    rows += [(s, (str(s), "-", "-", "-", "-", "-", f"invalid manifest: {r}"))
+    rows += [(s, (str(s), "-", "-", "-", "-", "-", "-", f"invalid manifest: {r}"))
              for s, r in scan.invalid.items()]
     return rows
 
@@ -78,6 +83,11 @@ def _cmd_show(mgr: CheckpointManager, args: argparse.Namespace, out: TextIO) -> 
     out.write(f"url:             {info.url}\n")
     out.write(f"step:            {info.step}\nepoch:           {info.epoch}\n")
     out.write(f"world size:      {info.world_size}\nrun id:          {info.run_id or '-'}\n")
+    if info.layout == SHARDED:
+        out.write(f"layout:          sharded (torch.distributed.checkpoint), {info.shard_files} "
+                  f"shard files, reshards onto any world size\n")
+    else:
+        out.write("layout:          replicated (one full state, written by rank 0)\n")
     out.write(f"created (UTC):   {_created(info.created)}\n")
     out.write(f"versions:        hvd_resilient {info.library_version}, "
               f"torch {info.torch_version}\n")

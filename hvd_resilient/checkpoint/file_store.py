@@ -132,7 +132,8 @@ class FileStore(CheckpointStore):
         except OSError as e:
             raise self._err(e, key) from None
 
-    def _get_into(self, key: str, size: int) -> bytearray:
+    def _read_into(self, key: str, view: memoryview) -> None:
+        size = len(view)
         try:
             with open(self._path(key), "rb") as f:
                 actual = os.fstat(f.fileno()).st_size
@@ -140,8 +141,6 @@ class FileStore(CheckpointStore):
                     raise SizeMismatchError(
                         f"{self.url}/{key}: expected {size} bytes, found {actual}"
                     )
-                buf = bytearray(size)
-                view = memoryview(buf)
                 done = 0
                 while done < size:
                     n = f.readinto(view[done:])
@@ -150,7 +149,6 @@ class FileStore(CheckpointStore):
                             f"{self.url}/{key}: expected {size} bytes, file ended at {done}"
                         )
                     done += n
-                return buf
         except IsADirectoryError:
             raise StoreNotFoundError(f"{self.url}/{key} does not exist") from None
         except OSError as e:

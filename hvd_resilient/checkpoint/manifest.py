@@ -4,6 +4,11 @@ Layout: ``<base>/step-<10-digit step>/<files...>`` plus ``manifest.json``, writt
 manifest holds every file's size and sha256, so a checkpoint whose upload died halfway (no
 manifest) does not exist, and one whose bytes rotted afterwards (checksum mismatch) is
 detected before it is loaded.
+
+Two layouts share this manifest: ``replicated`` (rank 0 wrote the whole state)
+and ``sharded`` (FSDP: every rank wrote its own shard files under ``shards/`` with
+``torch.distributed.checkpoint``, rank 0 the small ``run_state.pt`` of counters and sampler).
+Manifests from before the field existed are replicated.
 """
 
 from __future__ import annotations
@@ -18,6 +23,10 @@ from typing import Any
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "hvd_resilient.checkpoint/1"
+REPLICATED, SHARDED = "replicated", "sharded"
+LAYOUTS = (REPLICATED, SHARDED)
+SHARD_DIR = "shards/"
+"""Where a sharded checkpoint keeps the files of `torch.distributed.checkpoint`."""
 _STEP_DIR = re.compile(r"^step-(\d{10,})$")
 
 
@@ -83,10 +92,19 @@ class CheckpointInfo:
     meta: dict[str, Any] = field(default_factory=dict)
     prefix: str = ""
     url: str = ""
+    layout: str = REPLICATED
+    """replicated (one full state) or sharded (one shard per rank at ``world_size``)."""
 
     @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files.values())
+
+    @property
+    def shard_files(self) -> int:
+        """Data files of a sharded checkpoint (its DCP ``.metadata`` not counted); 0 if
+        replicated."""
+        return sum(1 for n in self.files if n.startswith(SHARD_DIR)
+                   and not n[len(SHARD_DIR):].startswith("."))
 
     def key(self, name: str) -> str:
         """The store key of file ``name`` of this checkpoint."""
@@ -95,6 +113,7 @@ class CheckpointInfo:
     def to_json(self) -> bytes:
         doc = {
             "format": FORMAT,
+            "layout": self.layout,
             "step": self.step,
             "epoch": self.epoch,
             "world_size": self.world_size,
@@ -140,9 +159,13 @@ class CheckpointInfo:
                 meta=dict(doc.get("meta") or {}),
                 prefix=prefix,
                 url=url,
+                layout=str(doc.get("layout", REPLICATED)),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ManifestError(f"manifest field missing or malformed: {e}") from None
+        if info.layout not in LAYOUTS:
+            raise ManifestError(f"manifest layout {info.layout!r} is not one of "
+                                f"{', '.join(LAYOUTS)} (written by a newer version?)")
         folder = prefix.rstrip("/").rsplit("/", 1)[-1]
         if prefix and parse_step_dir(folder) != info.step:
             raise ManifestError(f"manifest says step {info.step} but lives in {folder!r}")
@@ -171,6 +194,7 @@ def new_info(
     meta: dict[str, Any] | None = None,
     prefix: str = "",
     url: str = "",
+    layout: str = REPLICATED,
 ) -> CheckpointInfo:
     """A manifest for a checkpoint being written now (stamps time and versions)."""
     return CheckpointInfo(
@@ -185,4 +209,5 @@ def new_info(
         meta=dict(meta or {}),
         prefix=prefix,
         url=url,
+        layout=layout,
     )

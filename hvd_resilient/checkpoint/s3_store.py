@@ -343,9 +343,8 @@ class S3Store(CheckpointStore):
         if n != b - a:
             raise SizeMismatchError(f"{self.url}/{key}: short read at byte {a + n} of {total}")
 
-    def _get_into(self, key: str, size: int) -> bytearray:
-        buf = bytearray(size)
-        view = memoryview(buf)
+    def _read_into(self, key: str, view: memoryview) -> None:
+        size = len(view)
         if size <= self.multipart_threshold:
             resp = self._call(
                 "get", key, self.client.get_object, Bucket=self.bucket, Key=self._key(key)
@@ -357,7 +356,7 @@ class S3Store(CheckpointStore):
                 )
             if self._read_body(resp, view, key) != size:
                 raise SizeMismatchError(f"{self.url}/{key}: short read")
-            return buf
+            return
         # One HEAD first: a wrong size must fail as a mismatch, not as a pile of range errors.
         head = self._call(
             "get", key, self.client.head_object, Bucket=self.bucket, Key=self._key(key)
@@ -370,7 +369,6 @@ class S3Store(CheckpointStore):
             [lambda a=a, b=b: self._get_range(key, view, a, b, size)
              for a, b in self._ranges(0, size)]
         )
-        return buf
 
     def _get(self, key: str) -> bytes | bytearray:
         # The first part doubles as the size probe (Content-Range carries the total), so small

@@ -1,0 +1,103 @@
+"""Durable checkpoints of an FSDP-sharded training state (torchrun with `--fsdp`).
+
+The replicated path (`durable.DurableCheckpoints`) has rank 0 write the whole state; with a
+sharded model no rank holds it, and gathering it onto one rank is exactly what FSDP is used
+to avoid. Here every rank saves its own shards through `checkpoint.sharded` (DCP async: the
+step waits only for the copy to host memory), rank 0 adds the small replicated part (sampler,
+counters, every rank's random streams, scheduler, extras) as ``run_state.pt``, and a resume
+at any world size reshards model and optimizer state through DCP.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Any
+
+from hvd_resilient import fsdp, rng
+from hvd_resilient.backends.base import Backend
+from hvd_resilient.checkpoint.manager import CheckpointError
+from hvd_resilient.checkpoint.serialize import from_bytes, to_buffer
+from hvd_resilient.checkpoint.sharded import ShardedCheckpointer
+from hvd_resilient.config import TrainConfig
+from hvd_resilient.durable import DurableCheckpoints
+from hvd_resilient.errors import ResumeError
+from hvd_resilient.events import EventLog
+from hvd_resilient.log import get
+from hvd_resilient.state_core import StateCore
+
+log = get("durable")
+
+RUN_STATE_FILE = "run_state.pt"
+"""Rank 0's file of a sharded checkpoint: `StateCore.run_state` (everything but the model and
+the optimizer, which are in the shards)."""
+
+GROUP_TIMEOUT = datetime.timedelta(minutes=10)
+"""How long a checkpoint collective (on its own Gloo group) waits for a rank: long enough for
+the slowest upload of a shard, finite so a lost rank ends the save instead of hanging it."""
+
+
+class ShardedDurableCheckpoints(DurableCheckpoints):
+    """Same interface and cadence as :class:`DurableCheckpoints`; every method is collective.
+
+    At most one save is in flight. When the next is due while this rank still uploads the last
+    one, the step waits for it (logged, and counted in the next save's ``stall_seconds``)
+    rather than skip it: a skipped save could be the last one of the run, and unlike the
+    replicated writer there is no cheap snapshot to keep pending, since the staged copy lives
+    inside DCP's save. Checkpoints due faster than they upload mean --checkpoint-every is too
+    small for the store.
+    """
+
+    def __init__(self, config: TrainConfig, state: StateCore, events: EventLog,
+                 backend: Backend) -> None:
+        import torch.distributed as dist
+
+        super().__init__(config, state, events, backend)
+        # Created here, on every rank at the same point (creating a group is a collective).
+        group = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT)
+        self.saver = ShardedCheckpointer(
+            self.manager, rank=backend.rank(), world_size=backend.size(), group=group,
+            on_event=self._emit, name=config.run_id,
+        )
+
+    def resume(self) -> int | None:
+        """Loads the newest verified sharded checkpoint, resharded onto this world size."""
+        target = fsdp.sharded_state(self.state.model, self.state.optimizer)
+        try:
+            found = self.saver.load_latest(target)
+        except CheckpointError as e:
+            raise ResumeError(f"checkpoint {self.config.checkpoint_url}: {e}") from None
+        if found is None:
+            log.info("no checkpoint at %s: starting from scratch", self.config.checkpoint_url)
+            return None
+        info, files = found
+        fsdp.apply_sharded_state(self.state.model, self.state.optimizer, target)
+        self.state.load_run_state(from_bytes(files[RUN_STATE_FILE]))
+        return self._resumed(info)
+
+    def save(self, *, blocking: bool = False) -> None:
+        """Collective: every rank must call it at the same step."""
+        t0 = time.perf_counter()
+        if self.saver.busy():
+            self.saver.wait()
+            if self.backend.rank() == 0:
+                log.warning("step %d waited %.1fs for the previous checkpoint's upload (consider "
+                            "a larger --checkpoint-every)", self.state.step,
+                            time.perf_counter() - t0)
+        streams = self.backend.allgather_object(rng.capture())
+        self.last_saved_step = self.state.step
+        self._last_save_time = time.time()
+        files: dict[str, Any] = {}
+        if self.backend.rank() == 0:
+            files[RUN_STATE_FILE] = to_buffer(self.state.run_state(streams))
+        self.saver.save(
+            self.state.step, self.state.epoch,
+            fsdp.sharded_state(self.state.model, self.state.optimizer), files,
+            run_id=self.config.run_id, stall_before=time.perf_counter() - t0,
+        )
+        if blocking:
+            self.saver.wait(self.config.grace_seconds)
+
+    def close(self, timeout: float | None = None) -> None:
+        self.saver.close(timeout)
+        super().close(timeout)

@@ -1,0 +1,132 @@
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`) on the torchrun path: each rank holds a shard
+of every parameter, gradient and optimizer state instead of a replica.
+
+Why the extra steps around `fully_shard`:
+
+- it replaces every parameter with a new sharded one, so an optimizer built before wrapping
+  (the Trainer's API takes one) would step tensors the model no longer uses: `shard` points
+  the optimizer's param groups at the new parameters;
+- it shards each rank's own initial values and, unlike DDP, never broadcasts them: ranks that
+  built the model from different seeds would train a model no single rank ever had, so rank 0's
+  values are broadcast first;
+- a sharded state dict holds DTensors that no rank can `torch.save` alone: `full_state`
+  gathers them (a collective), to export the whole model or compare it in tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from hvd_resilient.errors import ConfigError
+from hvd_resilient.log import get
+
+log = get("fsdp")
+
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+def require_torchrun(backend: str) -> None:
+    """FSDP needs torch.distributed's collectives and DTensors; Horovod (horovodrun, mpirun)
+    only averages replicated gradients, so the combination is refused before anything starts.
+
+    Raises:
+        ConfigError: ``backend`` is not torchrun.
+    """
+    if backend != "torchrun":
+        raise ConfigError(
+            f"config: fsdp needs the torchrun backend, this job runs on {backend} (launch it "
+            "with torchrun or `hvd-resilient run --backend torchrun`, or drop --fsdp / "
+            "HVD_RESILIENT_FSDP)"
+        )
+
+
+def is_sharded(model: Any) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def _units(model: nn.Module) -> list[nn.Module]:
+    """The submodules that get their own FSDP unit (all-gathered just before they run, freed
+    after): the root's children that hold parameters, one level into plain containers so a
+    stack of transformer blocks becomes one unit per block."""
+    out: list[nn.Module] = []
+    for child in model.children():
+        inner = list(child.children()) if isinstance(child, _CONTAINERS) else [child]
+        out += [m for m in inner if any(True for _ in m.parameters())]
+    return out
+
+
+def shard(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> nn.Module:
+    """Moves ``model`` to ``device``, makes every rank start from rank 0's values, wraps it with
+    ``fully_shard`` (one unit per block, plus the root) and re-points ``optimizer`` at the
+    sharded parameters. Collective: every rank calls it.
+
+    Raises:
+        ConfigError: ``optimizer`` already has state (it must not have stepped yet), or it
+            holds tensors that are not parameters of ``model``.
+    """
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    if optimizer.state:
+        raise ConfigError("fsdp: the optimizer has already stepped; hand the Trainer a fresh "
+                          "one (its state must be created on the sharded parameters)")
+    model.to(device)
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(t.data, src=0)
+    names = {id(p): n for n, p in model.named_parameters()}
+    units = _units(model)
+    for unit in units:
+        fully_shard(unit)
+    fully_shard(model)
+    sharded = dict(model.named_parameters())
+    for group in optimizer.param_groups:
+        try:
+            group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+        except KeyError:
+            raise ConfigError("fsdp: the optimizer holds tensors that are not parameters of "
+                              "the model; build it from model.parameters()") from None
+    log.info("model sharded with FSDP2 over %d ranks (%d units)", dist.get_world_size(),
+             len(units) + 1)
+    return model
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+               ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The gathered (unsharded) model and optimizer state dicts, keyed by parameter name, on
+    every rank. Collective; memory for the whole model on each rank: for exporting a model or
+    comparing states in tests, never for checkpoints (those stay sharded)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True)
+    if optimizer is None:
+        return get_model_state_dict(model, options=opts), {}
+    return get_state_dict(model, optimizer, options=opts)
+
+
+def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer
+                  ) -> dict[str, dict[str, Any]]:
+    """``{"model": ..., "optim": ...}`` of DTensor shards, keyed by parameter name so that
+    `torch.distributed.checkpoint` can reshard it onto any world size. An optimizer that has
+    not stepped gets its (zero) state created first, or a load would have nowhere to go."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def apply_sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                        sd: dict[str, dict[str, Any]]) -> None:
+    """Puts a loaded :func:`sharded_state` back into the model and optimizer."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
