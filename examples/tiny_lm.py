@@ -39,6 +39,13 @@ def make_text(n_sentences: int = 3000, seed: int = 0) -> str:
     )
 
 
+def make_data(seed: int = 0) -> tuple[list[str], torch.Tensor]:
+    """The vocabulary and the generated text as character ids."""
+    text = make_text(seed=seed)
+    vocab = sorted(set(text))
+    return vocab, torch.tensor([vocab.index(c) for c in text])
+
+
 class TinyLM(nn.Module):
     def __init__(self, vocab: int, dim: int = 64, layers: int = 2, heads: int = 4) -> None:
         super().__init__()
@@ -79,9 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     hvd.init()
     log.setup(rank_fn=hvd.rank)
     share_cores(hvd.local_size())
-    text = make_text()
-    vocab = sorted(set(text))
-    data = torch.tensor([vocab.index(c) for c in text])
+    vocab, data = make_data()
     n_windows = (len(data) - 1) // BLOCK
 
     torch.manual_seed(cfg.seed)
