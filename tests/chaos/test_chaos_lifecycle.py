@@ -67,7 +67,7 @@ def test_raised_exception_without_scaling_a_spare_host_takes_the_slot(chaos):
     resets 2 -> 2). Horovod permits no other fixed-size recovery: with min = max = the hosts
     listed, the job would wait out the blacklist cooldown instead."""
     c = chaos.cluster(3)
-    run = ElasticRun(chaos, c, "raise-fixed", expect_sizes=[2], steps_at_each=45, np=2,
+    run = ElasticRun(chaos, c, "raise-fixed", expect_sizes=[2], steps_at_each=70, np=2,
                      min_np=2, fault="raise:rank=1:step=25")
     numbers = run.check([2])
     run.marks["fault"] = fault_time(run)
