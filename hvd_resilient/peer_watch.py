@@ -35,8 +35,8 @@ from hvd_resilient.log import get
 log = get("peer_watch")
 
 _HANGUP = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0x2000)
-# A hang-up seen this soon after the watch was disarmed was a peer leaving on purpose (a reset
-# or the end of training reached a neighbour a moment before us): never act on it.
+# Before acting on a hang-up, wait this long for a disarm: a peer that leaves on purpose (a reset
+# or the end of training reached it a moment before us) hangs up too, and must not count.
 GRACE_S = 0.05
 
 
@@ -138,6 +138,8 @@ class PeerWatch:
                     return
                 self.detected_at = seen
                 self.detail = f"connection to {peer} hung up"
+                log.warning("%s: a peer is gone; failing this rank's collectives so the job "
+                            "resets now", self.detail)
                 self._kick(socks)
             return
 

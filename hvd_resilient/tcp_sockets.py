@@ -14,7 +14,6 @@ import struct
 from dataclasses import dataclass
 
 ESTABLISHED = "01"
-LISTEN = "0A"
 
 
 @dataclass(frozen=True)
@@ -73,7 +72,3 @@ def own_sockets() -> list[TcpSocket]:
             if fd is not None:
                 found.append(TcpSocket(fd, _addr(cols[1]), _addr(cols[2]), cols[3]))
     return found
-
-
-def listen_ports() -> list[int]:
-    return sorted({s.local[1] for s in own_sockets() if s.state == LISTEN})
