@@ -61,6 +61,20 @@ def test_elastic_dry_run_sets_the_flags_that_matter(tmp_path):
     assert "horovod_driver" not in first and first.split()[0].endswith("horovodrun")
 
 
+def test_standby_runs_in_process_only_what_python_itself_would_run_as_is():
+    import sys
+
+    from hvd_resilient.launch.standby import runnable_here
+
+    assert runnable_here([sys.executable, "train.py", "--epochs", "2"])
+    assert runnable_here([sys.executable, "-m", "pkg.train"])
+    assert not runnable_here([sys.executable, "-u", "train.py"])  # flags: exec'd as given
+    assert not runnable_here([sys.executable, "-c", "print(1)"])
+    assert not runnable_here([sys.executable, "-m"])
+    assert not runnable_here(["/bin/sh", "train.sh"])  # another program
+    assert not runnable_here([sys.executable])
+
+
 def test_slot_hosts_split_per_slot_and_map_back_to_the_machine():
     from hvd_resilient import slot_hosts
 

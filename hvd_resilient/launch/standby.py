@@ -54,6 +54,14 @@ def same_python(exe: str) -> bool:
     return bool(found) and os.path.realpath(found) == os.path.realpath(sys.executable)
 
 
+def runnable_here(cmd: list[str]) -> bool:
+    """`python script.py ...` or `python -m module ...` with this very Python; anything else
+    (other interpreters, `-u`, `-c`, ...) is exec'd as given, without the head start."""
+    if len(cmd) < 2 or not same_python(cmd[0]):
+        return False
+    return (cmd[1] == "-m" and len(cmd) >= 3) or not cmd[1].startswith("-")
+
+
 def run_in_process(cmd: list[str]) -> None:
     """Runs `python script.py ARGS` or `python -m module ARGS` here, as Python itself would."""
     args = cmd[1:]
@@ -70,8 +78,7 @@ def main() -> None:
     cmd = sys.argv[1:]
     if not cmd:
         sys.exit("usage: python -m hvd_resilient.launch.standby COMMAND [ARGS]")
-    runnable_here = same_python(cmd[0]) and len(cmd) >= 2 and not cmd[1].startswith("-c")
-    if "HOROVOD_GLOO_RENDEZVOUS_ADDR" not in os.environ or not runnable_here:
+    if "HOROVOD_GLOO_RENDEZVOUS_ADDR" not in os.environ or not runnable_here(cmd):
         os.execvp(cmd[0], cmd)
     key = f"{os.environ['HOROVOD_HOSTNAME']}:{os.environ['HOROVOD_LOCAL_RANK']}"
     import horovod.torch  # noqa: F401 - the cold start this module exists to hide
