@@ -117,7 +117,8 @@ def test_added_host_workers_start_before_the_running_ones_are_told(tmp_path, job
     cmd = horovodrun_elastic(discover, 2, 2, 4)
     cmd[:1] = [PYTHON, "-m", "hvd_resilient.launch.horovod_driver"]
     job = jobs.start(cmd + [PYTHON, JOB, "--run-dir", str(run), "--expect-sizes", "2,4",
-                            "--steps-at-each", "20", "--commit-every", "5"], name="standby")
+                            "--steps-at-each", "20", "--commit-every", "5"],
+                     env=jobs.env(HVD_RESILIENT_STANDBY="1"), name="standby")
     wait_for(lambda: any(c["size"] == 2 and c["step"] >= 10 for c in commits(run)), 120,
              "10 steps at size 2", job)
     set_hosts(hosts, "localhost:2,127.0.0.1:2")
