@@ -45,6 +45,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 JOB = ROOT / "bench" / "recovery_job.py"
+sys.path.insert(0, str(ROOT))
+
+from hvd_resilient.events import read_events  # noqa: E402
+
 FAULT_STEP = 105
 
 
@@ -117,17 +121,6 @@ def torchrun_cmd(sc: Scenario, stack: str, run: Path) -> list[str]:
     return torchrun_command(sc.np, "1", f"127.0.0.1:{free_port()}", 3, run.name, train)
 
 
-def read_events(path: Path) -> list[dict[str, Any]]:
-    out = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue
-    return out
-
-
 def wait_until(pred: Callable[[], bool], timeout: float, proc: subprocess.Popen) -> bool:
     end = time.time() + timeout
     while time.time() < end and proc.poll() is None:
@@ -193,10 +186,10 @@ def run_once(sc: Scenario, stack: str, work: Path, timeout: float) -> dict[str, 
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     if sc.kind == "torchrun":  # a new round's processes, then its first step
-        result = measure(read_events(events_path), run, t_change, reset_event="start",
+        result = measure(list(read_events(events_path)), run, t_change, reset_event="start",
                          first_event="resume" if stack == "ours" else "enter")
     else:
-        result = measure(read_events(events_path), run, t_change)
+        result = measure(list(read_events(events_path)), run, t_change)
     result.update(rc=rc, run_dir=str(run))
     return result
 
