@@ -88,7 +88,7 @@ def run_ours(model: nn.Module, opt: torch.optim.Optimizer, n_windows: int, a: ar
             train_step(sl.indices)
             state.sampler.advance(sl.global_count)
             state.step += 1
-            if state.step % a.commit_every == 0:
+            if state.step % a.commit_every == 0 or state.host_change_pending():
                 state.commit()
 
     train(state)

@@ -10,6 +10,8 @@ discovery file changed) to:
 - reset: the first `reset_callback` of the new world (`hvd.init()` done again);
 - first step: the first `enter` (training function entered, state synced) after the fault;
   under torchrun the first `resume` (durable checkpoint loaded) of the restarted round;
+- training stalled: from the fault, or for a host change from the commit that acted on it
+  (training goes on until then), to that first step: the time nobody trained;
 - new-size commit (scale-up): the first commit at the new world size;
 - lost: steps trained before the fault and trained again after it.
 
@@ -77,6 +79,9 @@ class Scenario:
     vanilla_args: list[str] = field(default_factory=list)
     vanilla_hosts: str = ""  # when vanilla needs another layout to survive at all
     kind: str = "horovod"  # or "torchrun"
+    steps: int = 200  # the job stops here; long enough for the change to land
+    env: dict[str, str] = field(default_factory=dict)  # for ours
+    vanilla: bool = True  # False: a variant of ours whose vanilla row is another scenario's
 
 
 def scenarios() -> list[Scenario]:
@@ -94,7 +99,10 @@ def scenarios() -> list[Scenario]:
         Scenario("host_removed", "host removed via discovery", "localhost:2\n127.0.0.1:2",
                  4, 2, 4, change_to="localhost:2"),
         Scenario("host_added", "host added via discovery", "localhost:2", 2, 2, 4,
-                 change_to="localhost:2\n127.0.0.1:2"),
+                 change_to="localhost:2\n127.0.0.1:2", steps=400),
+        Scenario("host_added_cold", "host added via discovery, standby workers off",
+                 "localhost:2", 2, 2, 4, change_to="localhost:2\n127.0.0.1:2", steps=400,
+                 env={"HVD_RESILIENT_STANDBY": "0"}, vanilla=False),
         Scenario("torchrun_kill", "torchrun, kill -9 one worker (2 workers)", "", 2, 2, 2,
                  fault="kill:rank=1:step=70", kind="torchrun"),
     ]
@@ -155,14 +163,15 @@ def run_once(sc: Scenario, stack: str, work: Path, timeout: float) -> dict[str, 
         "--network-interface", "lo", "--blacklist-cooldown-range", "1", "2",
         *(sc.vanilla_args if stack == "vanilla" else []),
         sys.executable, str(JOB), "--run-dir", str(run), "--stack", stack,
-        "--steps", "200", "--commit-every", "10",
+        "--steps", str(sc.steps), "--commit-every", "10",
     ]
     if sc.kind == "torchrun":
         cmd = torchrun_cmd(sc, stack, run)
         # a plain torchrun restart hangs (field notes): give it a minute, not the full timeout
         timeout = min(timeout, 90.0) if stack == "vanilla" else timeout
     env = dict(os.environ, PYTHONPATH=f"{ROOT}:{os.environ.get('PYTHONPATH', '')}",
-               PATH=f"{VENV_BIN}:{os.environ.get('PATH', '')}", HVD_RESILIENT_FAULT=sc.fault)
+               PATH=f"{VENV_BIN}:{os.environ.get('PATH', '')}", HVD_RESILIENT_FAULT=sc.fault,
+               **(sc.env if stack == "ours" else {}))
     events_path = run / "events.jsonl"
     with open(run / "console.log", "wb") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -215,6 +224,11 @@ def measure(evs: list[dict[str, Any]], run: Path, t_change: float | None,
         "reset_s": first(reset_event),
         "first_step_s": round(enters[0]["ts"] - t0, 3) if enters else None,
     }
+    if enters:  # the world stood still from the fault, or from the commit that acted on the
+        # change (a host change lets training go on until then), to its first step
+        stopped = max([t0] + [e["ts"] for e in evs
+                              if e["event"] == "commit" and e["ts"] < enters[0]["ts"]])
+        out["stalled_s"] = round(enters[0]["ts"] - stopped, 3)
     if enters:
         before = [e["step"] for e in evs if e["ts"] < enters[0]["ts"]] + fault_steps
         at = enters[0].get("at_step", enters[0].get("from_step"))
@@ -226,7 +240,8 @@ def measure(evs: list[dict[str, Any]], run: Path, t_change: float | None,
     return out
 
 
-METRICS = ("detect_s", "reset_s", "first_step_s", "new_size_commit_s", "lost_steps")
+METRICS = ("detect_s", "reset_s", "first_step_s", "stalled_s", "new_size_commit_s",
+           "lost_steps")
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -244,9 +259,9 @@ def fmt(v: Any, unit: str = " s") -> str:
 
 def table(results: dict[str, Any]) -> str:
     lines = [
-        "| scenario | stack | runs (finished) | detect | reset | first step | new-size commit "
-        "| steps lost | first step vs vanilla |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| scenario | stack | runs (finished) | detect | reset | first step | training stalled "
+        "| new-size commit | steps lost | first step vs vanilla |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for sc in results["scenarios"]:
         ours, van = sc["ours"], sc.get("vanilla")
@@ -261,7 +276,8 @@ def table(results: dict[str, Any]) -> str:
             lines.append(
                 f"| {sc['title']} | {stack} | {s['runs']} ({s['finished']}) | "
                 f"{fmt(s['detect_s'])} | {fmt(s['reset_s'])} | {fmt(s['first_step_s'])} | "
-                f"{fmt(s['new_size_commit_s'])} | {fmt(s['lost_steps'], '')} | {ratio} |"
+                f"{fmt(s.get('stalled_s'))} | {fmt(s['new_size_commit_s'])} | "
+                f"{fmt(s['lost_steps'], '')} | {ratio} |"
             )
     return "\n".join(lines)
 
@@ -288,7 +304,10 @@ def main() -> int:
                 continue
             entry: dict[str, Any] = {"name": sc.name, "title": sc.title,
                                      "vanilla_args": sc.vanilla_args}
-            for stack, n in (("ours", a.repeats), ("vanilla", a.vanilla_repeats)):
+            for stack, n in (("ours", a.repeats),
+                             ("vanilla", a.vanilla_repeats if sc.vanilla else 0)):
+                if n == 0:
+                    continue
                 runs = []
                 for i in range(n):
                     r = run_once(sc, stack, work, a.timeout)

@@ -66,7 +66,8 @@ def main() -> int:
             opt.step()
             time.sleep(a.step_time)
             state.step += 1
-            if state.step % a.commit_every == 0:
+            if state.step % a.commit_every == 0 or (
+                    a.stack == "ours" and state.host_change_pending()):
                 if a.stack == "vanilla" and hvd.rank() == 0:
                     events.emit("commit")  # ElasticState.commit says so itself
                 state.commit()

@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
             state.step += 1
             if hvd.rank() == 0 and state.step % cfg.log_every == 0:
                 print(f"step {state.step} loss {state.loss:.3f} world {hvd.size()}", flush=True)
-            if state.step % cfg.commit_every == 0:
+            # a host change is acted on at once, not at the next commit
+            if state.step % cfg.commit_every == 0 or state.host_change_pending():
                 state.commit()
             if checkpoints.due():
                 checkpoints.save()

@@ -80,10 +80,15 @@ class ElasticState(StateCore, TorchState):
         seed: int = 0,
         lr_scaling: str = "none",
         events: EventLog | None = None,
+        host_check_every: int = 1,
         **extras: Any,
     ) -> None:
         self._init_core(seed=seed, lr_scaling=lr_scaling, events=events, extras=extras)
         self._synced_once = False
+        if host_check_every < 0:
+            raise ValueError(f"host_check_every must be >= 0 (0 turns the check off), "
+                             f"got {host_check_every}")
+        self._host_check_every = host_check_every if is_elastic() else 0
         super().__init__(
             model=model, optimizer=optimizer, step=0, samples=0, lr_scale=1.0,
             resume_rng=None, **extras,
@@ -109,6 +114,27 @@ class ElasticState(StateCore, TorchState):
         if hvd.rank() == 0:
             self.events.emit("commit", seconds=round(time.perf_counter() - t0, 6))
         self.check_host_updates()
+
+    def host_change_pending(self) -> bool:
+        """True on every rank when discovery changed the hosts: commit now, and the reset
+        follows. Call it on every rank at each step that is not a commit anyway::
+
+            if state.step % commit_every == 0 or state.host_change_pending():
+                state.commit()
+
+        Discovery tells only rank 0, and Horovod acts at the next commit, up to a whole commit
+        interval later, while a leaving host keeps training and a new one waits. Asking costs
+        one one-element broadcast per step (every `host_check_every` steps); a scale change
+        then costs one step and loses nothing.
+        """
+        every = self._host_check_every
+        if not every or self.step % every:
+            return False
+        pending = torch.zeros(1, dtype=torch.int32)
+        if hvd.rank() == 0 and not self._host_messages.empty():
+            pending.fill_(1)
+        hvd.broadcast_(pending, root_rank=0, name="hvd_resilient.hosts_pending")
+        return bool(pending.item())
 
     def restore(self) -> None:
         before = self.step

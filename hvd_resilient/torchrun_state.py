@@ -52,3 +52,7 @@ class TorchrunState(StateCore):
 
     def commit(self) -> None:
         self.last_commit_step = self.step
+
+    def host_change_pending(self) -> bool:
+        """torchrun restarts the whole group on any membership change: never anything to do."""
+        return False

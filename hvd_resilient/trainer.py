@@ -219,7 +219,7 @@ class Trainer:
                 rate = steps_since_log * size * cfg.batch_size / max(now - t_log, 1e-9)
                 self._report_progress(state, durable, rate)
                 t_log, steps_since_log = now, 0
-            if state.step % cfg.commit_every == 0:
+            if state.step % cfg.commit_every == 0 or state.host_change_pending():
                 if self.backend.any_rank(bool(preempt)):
                     self._stop_for_preemption(state, durable)
                 state.commit()

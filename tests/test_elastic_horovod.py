@@ -108,6 +108,41 @@ def test_resize_2_to_4_to_2_follows_discovery_file(tmp_path, jobs):
     assert_exactly_once(run, 2048)
 
 
+def test_host_changes_act_at_the_next_step_not_the_next_commit(tmp_path, jobs):
+    """With commits far apart (every 100000 steps), the only commits are the ones
+    `host_change_pending` asks for: the job still follows 2 -> 4 -> 2 and loses nothing."""
+    run = tmp_path / "run"
+    run.mkdir()
+    hosts, discover = write_discovery(tmp_path, "localhost:2")
+    job = jobs.start(
+        horovodrun_elastic(discover, 2, 2, 4) + [
+            PYTHON, JOB, "--run-dir", str(run), "--expect-sizes", "2,4,2",
+            "--steps-at-each", "40", "--commit-every", "100000",
+        ],
+        name="resize-between-commits",
+    )
+
+    def resets() -> list[tuple[int, int]]:
+        return [(e["old_size"], e["new_size"]) for e in events(run / "events.jsonl")
+                if e["event"] == "reset"]
+
+    wait_for(lambda: any(e["event"] == "watch" for e in events(run / "events.jsonl")), 120,
+             "the job training", job)
+    set_hosts(hosts, "localhost:2,127.0.0.1:2")
+    wait_for(lambda: (2, 4) in resets(), 120, "a reset to size 4", job)
+    set_hosts(hosts, "localhost:2")
+    assert job.wait(180) == 0, job.output()[-3000:]
+    assert resets() == [(2, 4)] * 2 + [(4, 2)] * 2, resets()
+    changed = [e for e in events(run / "events.jsonl") if e["event"] == "hosts_changed"]
+    assert changed and all(e["step"] % 100000 for e in changed), changed
+    assert sizes_seen(run) == [2, 4, 2]
+    digests = final_digests(run)
+    assert len(set(digests.values())) == 1, f"ranks disagree after resets: {digests}"
+    restores = [e for e in events(run / "events.jsonl") if e["event"] == "restore"]
+    assert not restores, f"a host change must cost no work: {restores}"
+    assert_exactly_once(run, 2048)
+
+
 def test_added_host_workers_start_before_the_running_ones_are_told(tmp_path, jobs):
     """Standby: the newcomers import while the old world trains; the process that joins is the
     one started early (same pid), and the old workers heard of the change only after it began."""

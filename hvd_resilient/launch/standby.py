@@ -81,8 +81,12 @@ def main() -> None:
     if "HOROVOD_GLOO_RENDEZVOUS_ADDR" not in os.environ or not runnable_here(cmd):
         os.execvp(cmd[0], cmd)
     key = f"{os.environ['HOROVOD_HOSTNAME']}:{os.environ['HOROVOD_LOCAL_RANK']}"
-    import horovod.torch  # noqa: F401 - the cold start this module exists to hide
+    # The cold start this module exists to hide. torch._dynamo too: every optimizer's first
+    # construction imports it (torch wraps optimizer methods in a lazy `_disable_dynamo`), 1 s
+    # idle and 2-5 s on a busy host, after the reset, while the whole old world waits.
+    import horovod.torch  # noqa: F401
     import torch  # noqa: F401
+    import torch._dynamo  # noqa: F401
 
     import hvd_resilient.elastic  # noqa: F401 - and ours, which every training script imports
 

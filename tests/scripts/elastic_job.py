@@ -124,10 +124,10 @@ def main() -> int:
             pending.append((state.sampler.epoch, sl.indices))
             state.sampler.advance(sl.global_count)
             state.step += 1
-            if state.step % a.commit_every == 0:
-                if not state.sizes_seen or state.sizes_seen[-1][0] != hvd.size():
-                    state.sizes_seen = (*state.sizes_seen, (hvd.size(), state.step))
-                stop = finished()
+            if not state.sizes_seen or state.sizes_seen[-1][0] != hvd.size():
+                state.sizes_seen = (*state.sizes_seen, (hvd.size(), state.step))
+            stop = finished()
+            if stop or state.step % a.commit_every == 0 or state.host_change_pending():
                 flush()  # before commit: it may raise HostsUpdatedInterrupt after saving
                 state.commit()
                 if durable is not None and durable.due():
