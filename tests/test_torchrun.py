@@ -8,6 +8,7 @@ parameters bit-identical to a run never killed.
 
 from __future__ import annotations
 
+import json
 import socket
 from pathlib import Path
 
@@ -57,3 +58,36 @@ def test_torchrun_worker_killed_restarts_resumes_bit_identical_on_s3(tmp_path, j
     assert not [e for e in evs if e["event"] == "restart"], "torchrun, not the supervisor, " \
         "should have restarted the workers"
     assert {e["params_sha256"] for e in evs if e["event"] == "done"} == ref_done
+
+
+PROBE = """
+import json, os, sys
+out = os.path.join(os.environ["PROBE_DIR"], "rank" + os.environ["RANK"] + ".json")
+with open(out, "w") as fh:
+    json.dump({"preloaded": "torch._dynamo" in sys.modules, "argv": sys.argv,
+               "main": __name__, "ppid": os.getppid()}, fh)
+"""
+
+
+@pytest.mark.parametrize("fork", ["1", "0"])
+def test_torchrun_warm_forks_workers_with_imports_done(tmp_path, jobs, fork):
+    """Workers start with torch._dynamo already imported (forked from the agent) and see the
+    script's arguments as `python script.py` would; with HVD_RESILIENT_TORCHRUN_FORK=0 they are
+    plain new interpreters."""
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    job = jobs.start(
+        [PYTHON, "-m", "hvd_resilient.launch.torchrun_warm", "--nnodes", "1",
+         "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+         "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(script), "--x", "1"],
+        env=jobs.env(PROBE_DIR=str(tmp_path), HVD_RESILIENT_TORCHRUN_FORK=fork),
+        name=f"warm-{fork}",
+    )
+    assert job.wait(120) == 0, job.output()[-3000:]
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for s in seen:
+        assert s["preloaded"] is (fork == "1"), s
+        assert s["argv"] == [str(script), "--x", "1"], s
+        assert s["main"] == "__main__", s
+    if fork == "1":
+        assert seen[0]["ppid"] == seen[1]["ppid"] == job.proc.pid, (seen, job.proc.pid)

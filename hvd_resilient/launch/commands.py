@@ -55,11 +55,13 @@ def mpirun_command(np: int, hosts: list[tuple[str, int]] | None, env_names: list
 
 def torchrun_command(nproc_per_node: int, nnodes: str, rdzv_endpoint: str, max_restarts: int,
                      run_id: str, train_cmd: list[str]) -> list[str]:
-    """torchrun with c10d rendezvous. `last_call_timeout=1`: with --nnodes MIN:MAX torchrun
+    """torchrun with c10d rendezvous, through `torchrun_warm` (restarted workers are forked
+    from the agent with torch imported). `last_call_timeout=1`: with --nnodes MIN:MAX torchrun
     otherwise waits 30 s for late nodes at every (re)start, even when all are there."""
     if train_cmd[:1] and Path(train_cmd[0]).name.startswith("python"):
         train_cmd = train_cmd[1:]  # torchrun runs the script with its own interpreter
-    return [require("torchrun", "run `make install` or activate .venv"),
+    require("torchrun", "run `make install` or activate .venv")  # torch's launcher is there
+    return [sys.executable, "-m", "hvd_resilient.launch.torchrun_warm",
             "--nnodes", nnodes, "--nproc-per-node", str(nproc_per_node),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint,
             "--rdzv-id", run_id, "--rdzv-conf", "last_call_timeout=1",
