@@ -287,11 +287,14 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--vanilla-repeats", type=int, default=3)
     p.add_argument("--only", default="", help="comma-separated scenario names")
+    p.add_argument("--vanilla-skip", default="",
+                   help="comma-separated scenario names to run without their vanilla runs")
     p.add_argument("--timeout", type=float, default=240.0, help="per run")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "recovery.json"))
     p.add_argument("--keep", action="store_true", help="keep run folders")
     a = p.parse_args()
     only = {s for s in a.only.split(",") if s}
+    skip = {s for s in a.vanilla_skip.split(",") if s}
     work = Path(tempfile.mkdtemp(prefix="hvd-resilient-recovery-"))
     results: dict[str, Any] = {
         "command": "python " + " ".join(sys.argv),
@@ -305,7 +308,8 @@ def main() -> int:
             entry: dict[str, Any] = {"name": sc.name, "title": sc.title,
                                      "vanilla_args": sc.vanilla_args}
             for stack, n in (("ours", a.repeats),
-                             ("vanilla", a.vanilla_repeats if sc.vanilla else 0)):
+                             ("vanilla", a.vanilla_repeats
+                              if sc.vanilla and sc.name not in skip else 0)):
                 if n == 0:
                     continue
                 runs = []

@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -197,6 +198,22 @@ def test_still_running_run() -> None:
     assert r.status == "unfinished" and r.since_last_event_s == pytest.approx(20.0 - 10.0)
     assert r.at_risk["seconds_now"] == pytest.approx(20.0 - 6.0)
     assert r.failures == []  # a run that may still be going is not a failure
+    assert r.silent_s is None and r.goodput_to_now is None  # 10 s quiet: not yet suspicious
+
+
+def test_silent_run_counts_the_silence_as_lost(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """A run whose launcher was killed writes nothing more: the report must not keep quoting
+    the goodput up to its last event as if nothing happened."""
+    evs = [e for e in clean_run() if e["event"] != "done"]
+    r = analyze(evs, now=10.0 + 120.0)
+    assert r.usual_gap_s == pytest.approx(1.0)
+    assert r.silent_s == pytest.approx(120.0)
+    assert r.goodput_to_now == pytest.approx(r.productive_s / 130.0)
+    assert r.goodput_to_now < r.goodput / 10
+    assert cli.main([str(write(tmp_path / "events.jsonl", evs)), "--no-plot"]) == 0
+    out = capsys.readouterr().out
+    assert "SILENT for" in out and "to now, the silence counted as lost" in out
 
 
 def test_crash_while_recovering_then_restart_is_one_failure() -> None:
@@ -270,10 +287,11 @@ def test_text_report_and_default_png(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 
 def test_unfinished_run_text(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    path = write(tmp_path / "events.jsonl", [e for e in clean_run() if e["event"] != "done"])
-    assert cli.main([str(path), "--no-plot"]) == 0
+    shift = time.time() - 11.0  # the last event a second ago: a run that may be going
+    evs = [dict(e, ts=e["ts"] + shift) for e in clean_run() if e["event"] != "done"]
+    assert cli.main([str(write(tmp_path / "events.jsonl", evs)), "--no-plot"]) == 0
     out = capsys.readouterr().out
-    assert "still running or crashed" in out and "plot" not in out
+    assert "still running or crashed" in out and "plot" not in out and "SILENT" not in out
 
 
 @pytest.mark.parametrize(

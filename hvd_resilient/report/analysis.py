@@ -42,12 +42,16 @@ Definitions (times are event timestamps, so they share the writers' clocks):
 * throughput: steps/s between consecutive rank-0 commits (from a `sync`/`resume`/`start` for
   the first), times size * batch_size for samples/s; segments that span a recovery are left
   out. The step rate for Young/Daly is their time-weighted mean.
+* silent: a run without `done` whose last event is older than max(60 s, 10 x the median gap
+  between rank-0 commits) at `now` is hung or dead (a killed launcher writes nothing);
+  "goodput to now" then counts the silence as lost: productive / (now - first event).
 * Young/Daly (see `checkpoints`): C = median `stall_seconds` of saved checkpoints (median
   `seconds` when no stall was measured), MTBF = wall / failures.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -65,6 +69,8 @@ from hvd_resilient.report.checkpoints import (
 from hvd_resilient.report.timeline import Episode, Event, Launch, Restart, normalize, parse
 
 CATEGORIES = ("restart", "recovery", "rollback", "startup", "checkpoint_stall", "commit")
+SILENT_MIN_S = 60.0
+SILENT_GAPS = 10
 """Lost-time categories, highest priority first (see the module docstring)."""
 
 
@@ -126,6 +132,12 @@ class Report:
     [[t0, t1, steps_per_s, samples_per_s | null, size]], lost [[t0, t1, category]] (failure
     categories only, merged), failures [[t, kind]], resets [[t, old, new]], checkpoints [[t,
     step, "saved" | "failed"]]."""
+    silent_s: float | None = None
+    """Seconds without an event at `now`, when that is far longer than a healthy run is quiet."""
+    usual_gap_s: float | None = None
+    """Median seconds between rank-0 commits."""
+    goodput_to_now: float | None = None
+    """For a silent run: productive / (now - first event)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -334,6 +346,13 @@ def world_size_series(launches: list[Launch], t0: float) -> list[list[float]]:
     return out
 
 
+def usual_gap(events: list[Event]) -> float | None:
+    """Median seconds between consecutive rank-0 commits: how often a healthy run speaks."""
+    ts = [e["ts"] for e in events if e["event"] == "commit" and e.get("rank") == 0]
+    gaps = [b - a for a, b in zip(ts, ts[1:], strict=False) if b > a]
+    return statistics.median(gaps) if gaps else None
+
+
 def analyze(raw: Iterable[Event], now: float | None = None,
             mtbf_s: float | None = None) -> Report:
     """The report of a run from its events (any order; torn lines already skipped).
@@ -362,6 +381,11 @@ def analyze(raw: Iterable[Event], now: float | None = None,
     status = {"done": "finished", "preempted": "preempted", "fatal": "failed"}.get(
         last.end, "unfinished")
     fatal = next((e for e in reversed(last.events) if e["event"] == "fatal"), None)
+    gap = usual_gap(events)
+    silent = None
+    if now is not None and status == "unfinished" and (
+            now - t1 > max(SILENT_MIN_S, SILENT_GAPS * (gap or 0.0))):
+        silent = now - t1
     ws = world_size_series(launches, t0)
     series: dict[str, list[Any]] = {
         "world_size": ws,
@@ -411,5 +435,6 @@ def analyze(raw: Iterable[Event], now: float | None = None,
         young_daly=young_daly(events, wall, len(failures),
                               sum(f.kind != "elastic" for f in failures), step_rate, config,
                               mtbf_s),
-        config=config, series=series,
+        config=config, series=series, silent_s=silent, usual_gap_s=gap,
+        goodput_to_now=productive / (now - t0) if silent and now is not None else None,
     )

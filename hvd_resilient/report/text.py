@@ -56,6 +56,9 @@ def _status(r: Report) -> str:
         text = f"FAILED at {where}: {r.fatal_error or '?'}"
     elif r.status == "preempted":
         text = f"preempted at {where} (final checkpoint written)"
+    elif r.silent_s is not None:
+        usual = f"; it commits every {dur(r.usual_gap_s)}" if r.usual_gap_s else ""
+        text = f"SILENT for {dur(r.silent_s)} at {where}{usual}: hung or dead"
     else:
         ago = f", last event {dur(r.since_last_event_s)} ago" if r.since_last_event_s else ""
         text = f"no 'done' yet at {where}: still running or crashed{ago}"
@@ -97,8 +100,10 @@ def render(r: Report, source: str = "") -> str:
     out = [f"run {r.run_id or '?'}  {source}".rstrip()]
     out.append(_line("status", _status(r)))
     goodput = "-" if r.goodput is None else f"{100 * r.goodput:.1f} %"
+    to_now = ("" if r.goodput_to_now is None else
+              f"   ({100 * r.goodput_to_now:.1f} % to now, the silence counted as lost)")
     out.append(_line("wall", f"{dur(r.wall_s)}   productive {dur(r.productive_s)}   "
-                             f"goodput {goodput}"))
+                             f"goodput {goodput}{to_now}"))
     lost = [f"{k.replace('checkpoint_', 'ckpt ')} {dur(v)}" for k, v in r.lost_s.items() if v > 0]
     out.append(_line("lost", " | ".join(lost) if lost else "nothing"))
     resumed = f" ({r.resumes} from a checkpoint)" if r.restarts else ""
