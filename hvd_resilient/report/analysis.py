@@ -69,9 +69,10 @@ from hvd_resilient.report.checkpoints import (
 from hvd_resilient.report.timeline import Episode, Event, Launch, Restart, normalize, parse
 
 CATEGORIES = ("restart", "recovery", "rollback", "startup", "checkpoint_stall", "commit")
+"""Lost-time categories, highest priority first (see the module docstring)."""
 SILENT_MIN_S = 60.0
 SILENT_GAPS = 10
-"""Lost-time categories, highest priority first (see the module docstring)."""
+"""A run quiet for more than max(SILENT_MIN_S, SILENT_GAPS x its commit interval) is silent."""
 
 
 @dataclass
