@@ -75,6 +75,23 @@ def test_standby_runs_in_process_only_what_python_itself_would_run_as_is():
     assert not runnable_here([sys.executable])
 
 
+def test_discovery_interval_from_the_environment(monkeypatch):
+    from horovod.runner.elastic import driver
+
+    from hvd_resilient.launch import horovod_driver
+
+    monkeypatch.setattr(driver, "DISCOVER_HOSTS_FREQUENCY_SECS", 1.0)
+    monkeypatch.setenv("HVD_RESILIENT_DISCOVERY_INTERVAL", "0.25")
+    horovod_driver.set_discovery_interval()
+    assert driver.DISCOVER_HOSTS_FREQUENCY_SECS == 0.25
+    for bad in ("fast", "0", "-1"):
+        monkeypatch.setenv("HVD_RESILIENT_DISCOVERY_INTERVAL", bad)
+        with pytest.raises(SystemExit) as e:
+            horovod_driver.set_discovery_interval()
+        assert "HVD_RESILIENT_DISCOVERY_INTERVAL" in str(e.value) and bad in str(e.value)
+    assert driver.DISCOVER_HOSTS_FREQUENCY_SECS == 0.25
+
+
 def test_slot_hosts_split_per_slot_and_map_back_to_the_machine():
     from hvd_resilient import slot_hosts
 

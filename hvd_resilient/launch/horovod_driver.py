@@ -10,6 +10,9 @@ teaching it
   in) and Horovod. Measured (bench/recovery.py): the old world stops training for ~0.8 s at a
   scale-up instead of ~7.5 s; on one shared 2-core machine the newcomers' imports compete
   with the training, so the new size arrives later there than with a cold start.
+- the discovery interval: Horovod runs the discovery script every second, and that poll is
+  most of what a scale change waits for; `HVD_RESILIENT_DISCOVERY_INTERVAL=0.25` (seconds)
+  polls faster, at the cost of running the script that much more often.
 Both only wrap methods of Horovod's elastic driver; the protocol between driver and workers is
 Horovod's own.
 """
@@ -29,6 +32,7 @@ from hvd_resilient.launch import standby as standby_mod
 
 ENV = "HVD_RESILIENT_SLOT_HOSTS"
 STANDBY_ENV = "HVD_RESILIENT_STANDBY"
+INTERVAL_ENV = "HVD_RESILIENT_DISCOVERY_INTERVAL"
 
 
 def _real_host_arg(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -138,7 +142,25 @@ def install_standby(ready_timeout_s: float = 120.0) -> None:
     launch._run_elastic = run_elastic_with_standby
 
 
+def set_discovery_interval() -> None:
+    """Applies HVD_RESILIENT_DISCOVERY_INTERVAL; a bad value stops here with one line."""
+    raw = os.environ.get(INTERVAL_ENV, "")
+    if not raw:
+        return
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not 0.05 <= seconds <= 3600:
+        sys.exit(f"hvd-resilient: {INTERVAL_ENV}={raw!r} must be seconds between 0.05 and 3600 "
+                 f"(unset it for Horovod's 1 s)")
+    from horovod.runner.elastic import driver
+
+    driver.DISCOVER_HOSTS_FREQUENCY_SECS = seconds
+
+
 def main(argv: list[str] | None = None) -> None:
+    set_discovery_interval()
     if os.environ.get(ENV, "1") != "0":
         install()
     if os.environ.get(STANDBY_ENV, "1") != "0":
