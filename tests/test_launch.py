@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 from pathlib import Path
@@ -90,6 +91,23 @@ def test_discovery_interval_from_the_environment(monkeypatch):
             horovod_driver.set_discovery_interval()
         assert "HVD_RESILIENT_DISCOVERY_INTERVAL" in str(e.value) and bad in str(e.value)
     assert driver.DISCOVER_HOSTS_FREQUENCY_SECS == 0.25
+
+
+def test_standby_takes_its_rank_from_the_go_not_from_its_start(monkeypatch):
+    """A failure reset between a standby's start and its release shifts ranks: the released
+    worker must join as what the driver says now."""
+    from types import SimpleNamespace
+
+    from hvd_resilient.launch import standby
+
+    for name, value in zip(standby.SLOT_ENV, ("2", "3", "0", "1", "2", "3"), strict=True):
+        monkeypatch.setenv(name, value)
+    now = SimpleNamespace(rank=1, size=2, local_rank=0, local_size=1, cross_rank=1,
+                          cross_size=2)
+    standby.apply_go(standby.slot_env(now))
+    assert [os.environ[n] for n in standby.SLOT_ENV] == ["1", "2", "0", "1", "1", "2"]
+    with pytest.raises(SystemExit, match="bad go"):
+        standby.apply_go(b"1")
 
 
 def test_slot_hosts_split_per_slot_and_map_back_to_the_machine():

@@ -124,7 +124,7 @@ def install_standby(ready_timeout_s: float = 120.0) -> None:
     def start_or_release(self: Any, pending_slots: list[Any]) -> None:
         standby = self.__dict__.setdefault("_hvdr_standby", {})
         for s in pending_slots:
-            _kv_set(self, standby_mod.GO, _key(s), b"1")
+            _kv_set(self, standby_mod.GO, _key(s), standby_mod.slot_env(s))
             if standby.pop(_key(s), None) is None:
                 self._start_worker_process(s)
 

@@ -32,20 +32,45 @@ def _url(scope: str, key: str) -> str:
     return f"http://{addr}:{port}/{scope}/{key}"
 
 
-def _exists(url: str) -> bool | None:
-    """True/False as the driver answers; None when the driver does not answer at all."""
+def _get(url: str) -> bytes | bool | None:
+    """The value; False when the driver says there is none; None when it does not answer."""
     try:
-        with urllib.request.urlopen(url, timeout=5):
-            return True
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.read()
     except urllib.error.HTTPError:
         return False
     except (urllib.error.URLError, OSError):
         return None
 
 
+#: What the go carries: the slot's place in the world the standby is released into.
+SLOT_ENV = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
+            "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE")
+
+
+def slot_env(slot: object) -> bytes:
+    """The go for ``slot`` (Horovod's SlotInfo of the world being formed)."""
+    names = ("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size")
+    return ",".join(str(int(getattr(slot, n))) for n in names).encode()
+
+
+def apply_go(value: bytes) -> None:
+    """Takes rank and sizes from the go: the world may have changed since this process was
+    started (a failure reset in between shifts ranks), and a worker that joins with the rank
+    it was started with would wait forever for a world that does not exist."""
+    fields = value.decode(errors="replace").split(",")
+    if len(fields) != len(SLOT_ENV) or not all(f.isdigit() for f in fields):
+        sys.exit(f"hvd-resilient standby: bad go {value[:60]!r} from the driver")
+    os.environ.update(zip(SLOT_ENV, fields, strict=True))
+
+
 def _put(url: str) -> None:
+    """PUTs "1"; a driver that does not answer is noticed by the wait loop, not here."""
     req = urllib.request.Request(url, data=b"1", method="PUT")
-    with urllib.request.urlopen(req, timeout=5):
+    try:
+        with urllib.request.urlopen(req, timeout=5):
+            pass
+    except (urllib.error.URLError, OSError):
         pass
 
 
@@ -90,16 +115,21 @@ def main() -> None:
 
     import hvd_resilient.elastic  # noqa: F401 - and ours, which every training script imports
 
-    _put(_url(READY, key))
     go = _url(GO, key)
     deadline = time.monotonic() + MAX_WAIT_S
     silent_since = None
-    while (answer := _exists(go)) is not True:
+    said_ready = 0.0
+    while not isinstance(answer := _get(go), bytes):
         now = time.monotonic()
+        if now - said_ready > 1.0:
+            # again and again: every rendezvous clears the driver's store
+            _put(_url(READY, key))
+            said_ready = now
         silent_since = (silent_since or now) if answer is None else None
         if now > deadline or (silent_since is not None and now - silent_since > 5.0):
             sys.exit(0)  # never released, or the driver is gone
         time.sleep(0.05)
+    apply_go(answer)
     run_in_process(cmd)
 
 
