@@ -116,8 +116,9 @@ def test_host_changes_act_at_the_next_step_not_the_next_commit(tmp_path, jobs):
     hosts, discover = write_discovery(tmp_path, "localhost:2")
     job = jobs.start(
         horovodrun_elastic(discover, 2, 2, 4) + [
+            # 70 steps x 2 ranks x 16 samples > 2048: an epoch completes after the last change
             PYTHON, JOB, "--run-dir", str(run), "--expect-sizes", "2,4,2",
-            "--steps-at-each", "40", "--commit-every", "100000",
+            "--steps-at-each", "70", "--commit-every", "100000",
         ],
         name="resize-between-commits",
     )
