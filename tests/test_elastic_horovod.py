@@ -77,17 +77,39 @@ def assert_exactly_once(run: Path, n_samples: int) -> int:
     return len(complete)
 
 
-def test_resize_2_to_4_to_2_follows_discovery_file(tmp_path, jobs):
+def start_2_4_2(tmp_path: Path, jobs, name: str, steps_at_each: int, commit_every: int):
+    """An elastic job on `localhost:2` that stops once it went 2 -> 4 -> 2: (run, hosts, job);
+    the test edits `hosts` to make it so."""
     run = tmp_path / "run"
     run.mkdir()
     hosts, discover = write_discovery(tmp_path, "localhost:2")
     job = jobs.start(
         horovodrun_elastic(discover, 2, 2, 4) + [
             PYTHON, JOB, "--run-dir", str(run), "--expect-sizes", "2,4,2",
-            "--steps-at-each", "30", "--commit-every", "5",
+            "--steps-at-each", str(steps_at_each), "--commit-every", str(commit_every),
         ],
-        name="resize",
+        name=name,
     )
+    return run, hosts, job
+
+
+def assert_followed_2_4_2_losing_nothing(run: Path) -> None:
+    assert sizes_seen(run) == [2, 4, 2]
+    digests = final_digests(run)
+    assert sorted(digests) == [0, 1], digests
+    assert len(set(digests.values())) == 1, f"ranks disagree after resets: {digests}"
+    restores = [e for e in events(run / "events.jsonl") if e["event"] == "restore"]
+    assert not restores, f"a host change through discovery must cost no work: {restores}"
+    assert_exactly_once(run, 2048)
+
+
+def resets(run: Path) -> list[tuple[int, int]]:
+    return [(e["old_size"], e["new_size"]) for e in events(run / "events.jsonl")
+            if e["event"] == "reset"]
+
+
+def test_resize_2_to_4_to_2_follows_discovery_file(tmp_path, jobs):
+    run, hosts, job = start_2_4_2(tmp_path, jobs, "resize", steps_at_each=30, commit_every=5)
     wait_for(lambda: any(c["size"] == 2 and c["step"] >= 30 for c in commits(run)), 120,
              "30 steps at size 2", job)
     set_hosts(hosts, "localhost:2,127.0.0.1:2")
@@ -97,51 +119,26 @@ def test_resize_2_to_4_to_2_follows_discovery_file(tmp_path, jobs):
              120, "30 steps at size 4", job)
     set_hosts(hosts, "localhost:2")
     assert job.wait(180) == 0, job.output()[-3000:]
-    assert sizes_seen(run) == [2, 4, 2]
-    digests = final_digests(run)
-    assert sorted(digests) == [0, 1], digests
-    assert len(set(digests.values())) == 1, f"ranks disagree after resets: {digests}"
-    resets = [e for e in events(run / "events.jsonl") if e["event"] == "reset"]
-    assert {(r["old_size"], r["new_size"]) for r in resets} >= {(2, 4), (4, 2)}
-    restores = [e for e in events(run / "events.jsonl") if e["event"] == "restore"]
-    assert not restores, f"a host removed through discovery must cost no work: {restores}"
-    assert_exactly_once(run, 2048)
+    assert set(resets(run)) >= {(2, 4), (4, 2)}
+    assert_followed_2_4_2_losing_nothing(run)
 
 
 def test_host_changes_act_at_the_next_step_not_the_next_commit(tmp_path, jobs):
     """With commits far apart (every 100000 steps), the only commits are the ones
     `host_change_pending` asks for: the job still follows 2 -> 4 -> 2 and loses nothing."""
-    run = tmp_path / "run"
-    run.mkdir()
-    hosts, discover = write_discovery(tmp_path, "localhost:2")
-    job = jobs.start(
-        horovodrun_elastic(discover, 2, 2, 4) + [
-            # 70 steps x 2 ranks x 16 samples > 2048: an epoch completes after the last change
-            PYTHON, JOB, "--run-dir", str(run), "--expect-sizes", "2,4,2",
-            "--steps-at-each", "70", "--commit-every", "100000",
-        ],
-        name="resize-between-commits",
-    )
-
-    def resets() -> list[tuple[int, int]]:
-        return [(e["old_size"], e["new_size"]) for e in events(run / "events.jsonl")
-                if e["event"] == "reset"]
-
+    # 70 steps x 2 ranks x 16 samples > 2048: an epoch completes after the last change
+    run, hosts, job = start_2_4_2(tmp_path, jobs, "resize-between-commits", steps_at_each=70,
+                                  commit_every=100000)
     wait_for(lambda: any(e["event"] == "watch" for e in events(run / "events.jsonl")), 120,
              "the job training", job)
     set_hosts(hosts, "localhost:2,127.0.0.1:2")
-    wait_for(lambda: (2, 4) in resets(), 120, "a reset to size 4", job)
+    wait_for(lambda: (2, 4) in resets(run), 120, "a reset to size 4", job)
     set_hosts(hosts, "localhost:2")
     assert job.wait(180) == 0, job.output()[-3000:]
-    assert resets() == [(2, 4)] * 2 + [(4, 2)] * 2, resets()
+    assert resets(run) == [(2, 4)] * 2 + [(4, 2)] * 2, resets(run)
     changed = [e for e in events(run / "events.jsonl") if e["event"] == "hosts_changed"]
     assert changed and all(e["step"] % 100000 for e in changed), changed
-    assert sizes_seen(run) == [2, 4, 2]
-    digests = final_digests(run)
-    assert len(set(digests.values())) == 1, f"ranks disagree after resets: {digests}"
-    restores = [e for e in events(run / "events.jsonl") if e["event"] == "restore"]
-    assert not restores, f"a host change must cost no work: {restores}"
-    assert_exactly_once(run, 2048)
+    assert_followed_2_4_2_losing_nothing(run)
 
 
 def test_added_host_workers_start_before_the_running_ones_are_told(tmp_path, jobs):

@@ -50,7 +50,7 @@ SLOT_ENV = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL
 
 def slot_env(slot: object) -> bytes:
     """The go for ``slot`` (Horovod's SlotInfo of the world being formed)."""
-    names = ("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size")
+    names = (n.removeprefix("HOROVOD_").lower() for n in SLOT_ENV)  # rank, size, ...
     return ",".join(str(int(getattr(slot, n))) for n in names).encode()
 
 
