@@ -7,11 +7,11 @@ costs its host a blacklist cooldown, not the whole job.
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 from pathlib import Path
 
 import psutil
 import pytest
+from exactly_once import assert_exactly_once
 from jobs import (
     PYTHON,
     ROOT,
@@ -56,25 +56,6 @@ def final_digests(run: Path) -> dict[int, str]:
     done = [e for e in events(run / "events.jsonl") if e["event"] == "done"]
     assert done, "no rank reported done"
     return {e["rank"]: e["params_sha256"] for e in done}
-
-
-def assert_exactly_once(run: Path, n_samples: int) -> int:
-    """Every completed epoch used each sample id exactly once (committed work only)."""
-    per_epoch: dict[int, list[int]] = defaultdict(list)
-    for line in (run / "samples.jsonl").read_text().splitlines():
-        for epoch, ids in json.loads(line)["ids"]:
-            per_epoch[epoch].extend(ids)
-    complete = [e for e in per_epoch if e < max(per_epoch)]
-    assert complete, f"no epoch completed (epochs seen: {sorted(per_epoch)})"
-    for e in complete:
-        ids = per_epoch[e]
-        assert sorted(ids) == list(range(n_samples)), (
-            f"epoch {e}: {len(ids)} ids, {len(set(ids))} distinct, expected each of "
-            f"{n_samples} exactly once"
-        )
-    last = per_epoch[max(per_epoch)]
-    assert len(last) == len(set(last)), "the running epoch repeated a sample"
-    return len(complete)
 
 
 def start_2_4_2(tmp_path: Path, jobs, name: str, steps_at_each: int, commit_every: int):

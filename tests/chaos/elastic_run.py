@@ -7,9 +7,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from exactly_once import assert_exactly_once
 from jobs import PYTHON, ROOT, VENV_BIN, Job, events, wait_for, write_discovery
 from netns import Cluster, Host
-from test_elastic_horovod import assert_exactly_once, commits, final_digests, sizes_seen
+from test_elastic_horovod import commits, final_digests, sizes_seen
 
 JOB = str(ROOT / "tests" / "scripts" / "elastic_job.py")
 N_SAMPLES = 2048  # elastic_job.py's data set

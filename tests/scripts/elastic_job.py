@@ -1,16 +1,18 @@
 """A custom-loop elastic job for tests, written the way a user with their own loop would.
 
 Stops after --steps optimizer steps, or (with --expect-sizes) once the job has seen that
-sequence of world sizes. At every commit each rank appends the sample ids it trained on since
-its last commit to samples.jsonl; ids trained after the last commit are dropped by the reset
-callback, so the file holds exactly what the committed model saw.
+sequence of world sizes. Before each step's forward pass every rank appends one line to
+samples.jsonl: wall time, step, world size, rank, epoch, sampler position and the ids it is
+about to train on. Steps undone by a restore (in memory or from a durable checkpoint) are run
+again later with the same step number, so the step's last line in time is the one the final
+model holds; the tests rebuild that history from the file (`assert_exactly_once`). Writing at
+the step rather than at the commit matters: a rank killed between its peers' save and its own
+would otherwise leave committed work unrecorded.
 
 With --checkpoint-url the job also writes durable checkpoints (hvd_resilient.durable, as the
 Trainer does) every --checkpoint-every steps and resumes from the newest verified one on start.
-A resumed job first drops the samples.jsonl lines of steps after the checkpoint (work the
-killed job did that the checkpoint does not hold), so the file still holds exactly what the
-model saw. --ballast-mb adds a buffer of that size to the model: a checkpoint big enough to
-take a while to upload.
+--ballast-mb adds a buffer of that size to the model: a checkpoint big enough to take a while to
+upload.
 """
 
 from __future__ import annotations
@@ -74,9 +76,8 @@ def main() -> int:
     # rank (a worker that joins later too, through sync) decides to stop at the same step.
     state = ElasticState(model, opt, sampler=ElasticDataSampler(N_SAMPLES, seed=0),
                          events=events, sizes_seen=())
-    pending: list[tuple[int, list[int]]] = []  # (epoch, ids) trained since the last commit
-    state.register_reset_callbacks([pending.clear])
-    samples_path = os.path.join(a.run_dir, "samples.jsonl")
+    samples_fd = os.open(os.path.join(a.run_dir, "samples.jsonl"),
+                         os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     durable = None
     if a.checkpoint_url:
         durable = DurableCheckpoints(
@@ -85,8 +86,8 @@ def main() -> int:
             state, events, HorovodBackend())
         # Rank 0 of a fresh start (new workers join at the end, so never a late joiner): the
         # others wait in the first sync, which spreads what it loaded.
-        if hvd.rank() == 0 and durable.resume() is not None:
-            keep_committed_samples(samples_path, state.step)
+        if hvd.rank() == 0:
+            durable.resume()
 
     def finished() -> bool:
         if a.steps:
@@ -95,12 +96,12 @@ def main() -> int:
         seq = [s for s, _ in seen]
         return seq[-len(expected):] == expected and state.step - seen[-1][1] >= a.steps_at_each
 
-    def flush() -> None:
-        if pending:
-            line = json.dumps({"rank": hvd.rank(), "step": state.step, "ids": pending[:]})
-            with open(samples_path, "a") as fh:
-                fh.write(line + "\n")
-            pending.clear()
+    def record(ids: list[int]) -> None:
+        """One write(2) of one line: a SIGKILL never leaves half a line."""
+        line = json.dumps({"t": time.time(), "step": state.step, "size": hvd.size(),
+                           "rank": hvd.rank(), "epoch": state.sampler.epoch,
+                           "pos": state.sampler.consumed, "ids": ids})
+        os.write(samples_fd, (line + "\n").encode())
 
     @hvd_resilient.run
     def train(state: ElasticState) -> None:
@@ -109,6 +110,7 @@ def main() -> int:
                 state.sampler.set_epoch(state.sampler.epoch + 1)
             faults.maybe_fire(hvd.rank(), state.step)
             sl = state.sampler.next_slice(hvd.rank(), hvd.size(), BATCH)
+            record(sl.indices)
             opt.zero_grad()
             if sl.indices:
                 idx = torch.tensor(sl.indices)
@@ -121,14 +123,12 @@ def main() -> int:
                 if hvd.rank() == 0:
                     events.emit("big_allreduce", seconds=round(time.perf_counter() - t0, 3))
             time.sleep(a.step_time)
-            pending.append((state.sampler.epoch, sl.indices))
             state.sampler.advance(sl.global_count)
             state.step += 1
             if not state.sizes_seen or state.sizes_seen[-1][0] != hvd.size():
                 state.sizes_seen = (*state.sizes_seen, (hvd.size(), state.step))
             stop = finished()
             if stop or state.step % a.commit_every == 0 or state.host_change_pending():
-                flush()  # before commit: it may raise HostsUpdatedInterrupt after saving
                 state.commit()
                 if durable is not None and durable.due():
                     durable.save()
@@ -140,20 +140,9 @@ def main() -> int:
     train(state)
     if durable is not None:
         durable.close(timeout=120)
-    events.emit("done", params_sha256=state.params_sha256(),
+    events.emit("done", params_sha256=state.params_sha256(), steps=state.step,
                 sizes=[s for s, _ in state.sizes_seen])
     return 0 if state.step < a.max_steps else 3
-
-
-def keep_committed_samples(path: str, step: int) -> None:
-    """Drops the lines of steps after `step` (the checkpoint just resumed)."""
-    if not os.path.exists(path):
-        return
-    with open(path) as fh:
-        kept = [line for line in fh if line.strip() and json.loads(line)["step"] <= step]
-    with open(path + ".tmp", "w") as fh:
-        fh.writelines(kept)
-    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":
