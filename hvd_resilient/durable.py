@@ -16,8 +16,13 @@ from hvd_resilient import rng
 from hvd_resilient.backends.base import Backend
 from hvd_resilient.checkpoint.manager import CheckpointManager
 from hvd_resilient.checkpoint.manifest import REPLICATED, CheckpointInfo
-from hvd_resilient.checkpoint.serialize import check_state_dict_keys, snapshot_state_dict
-from hvd_resilient.checkpoint.split import LEGACY_FILE, decode_file, join_state, split_state
+from hvd_resilient.checkpoint.serialize import check_state_dict_keys
+from hvd_resilient.checkpoint.split import (
+    LEGACY_FILE,
+    decode_file,
+    join_state,
+    split_state,
+)
 from hvd_resilient.checkpoint.writer import AsyncCheckpointWriter
 from hvd_resilient.config import TrainConfig
 from hvd_resilient.errors import ResumeError
@@ -113,8 +118,8 @@ class DurableCheckpoints:
         self._last_save_time = time.time()
         if self.backend.rank() != 0:
             return
-        def payload() -> dict[str, Any]:
-            return split_state(snapshot_state_dict(self.state.checkpoint_state(streams)))
+        def payload() -> dict[str, Any]:  # the copy into host memory: split_state snapshots
+            return split_state(self.state.checkpoint_state(streams))
 
         kwargs = dict(step=self.state.step, epoch=self.state.epoch, world_size=self.backend.size(),
                       run_id=self.config.run_id)

@@ -1,6 +1,7 @@
-"""A state split into parts on real storage (disk and SeaweedFS): it comes back equal, tied
+"""A state split into raw parts on real storage (disk and SeaweedFS): it comes back equal, tied
 weights stay tied, a corrupt part makes the whole checkpoint skipped (the previous one loads),
-and checkpoints in the older single ``state.pt`` layout still load."""
+snapshot buffers are reused only once nothing refers to them, and checkpoints in the older
+layouts (``torch.save``-d parts, one ``state.pt``) still load."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from test_checkpoint_manager import Events, flip_byte
 
 from hvd_resilient.checkpoint import CheckpointManager, snapshot_state_dict, to_buffer
+from hvd_resilient.checkpoint.host_buffers import HostBufferPool
 from hvd_resilient.checkpoint.split import (
     INDEX_FILE,
     LEGACY_FILE,
@@ -43,8 +45,18 @@ def _state(seed: int) -> dict:
     })
 
 
+def _encode(files: dict) -> dict:
+    """What the writer stores: buffers as they are, other objects through torch.save."""
+    return {n: o if isinstance(o, memoryview) else to_buffer(o) for n, o in files.items()}
+
+
+def _through_bytes(files: dict) -> object:
+    """The state back from what the writer would store, as a restore decodes it."""
+    return join_state({n: decode_file(n, d) for n, d in _encode(files).items()})
+
+
 def _save(mgr: CheckpointManager, step: int, files: dict) -> None:
-    mgr.save(step, 0, 1, {name: to_buffer(obj) for name, obj in files.items()})
+    mgr.save(step, 0, 1, _encode(files))
 
 
 def _assert_same(a: object, b: object) -> None:
@@ -67,9 +79,13 @@ def test_split_bounds_parts_and_join_restores_everything() -> None:
     files = split_state(state, part_bytes=20_000)  # the 64x64 weights are 16 KB each
     parts = sorted(n for n in files if n != INDEX_FILE)
     assert parts == [part_name(i) for i in range(len(parts))] and len(parts) >= 3
-    for name in parts:
-        assert all(isinstance(t, torch.Tensor) for t in files[name].values())
-    back = join_state({n: decode_file(n, to_buffer(obj)) for n, obj in files.items()})
+    assert all(0 < files[name].nbytes <= 20_000 for name in parts[:-1])
+    # A part never mixes top-level keys: restored optimizer tensors (views of their part)
+    # must not keep the model's bytes alive.
+    tops = [{path[0] for path, slot in files[INDEX_FILE]["refs"]
+             if files[INDEX_FILE]["slots"][slot][0] == i} for i in range(len(parts))]
+    assert all(len(t) == 1 for t in tops), tops
+    back = _through_bytes(files)
     _assert_same(state, back)
     assert isinstance(back["model"], OrderedDict)
     assert back["model"]._metadata == state["model"]._metadata  # load_state_dict reads it
@@ -122,9 +138,70 @@ def test_legacy_single_file_checkpoint_still_loads(url: str) -> None:
 def test_incomplete_split_is_one_clear_line() -> None:
     files = split_state(_state(4), part_bytes=20_000)
     del files[part_name(1)]
-    with pytest.raises(ValueError, match=r"^checkpoint lacks state-00001.pt of \d+ parts$"):
+    with pytest.raises(ValueError, match=r"^checkpoint lacks state-00001.bin of \d+ parts$"):
         join_state(files)
     with pytest.raises(ValueError, match="neither state.pt nor state-index.pt"):
         join_state({"other.bin": b""})
     with pytest.raises(ValueError, match="part_bytes must be >= 1"):
         split_state({}, part_bytes=0)
+
+
+def test_split_is_a_snapshot_and_reuses_buffers_only_when_released() -> None:
+    buffers = HostBufferPool()
+    live = {"model": {"w": torch.arange(1000.0)}, "step": 1}
+    files = split_state(live, part_bytes=1 << 20, buffers=buffers)
+    live["model"]["w"].add_(1)  # training goes on: the snapshot must not change
+    back = _through_bytes(files)
+    assert torch.equal(back["model"]["w"], torch.arange(1000.0))
+    second = split_state(live, part_bytes=1 << 20, buffers=buffers)
+    assert buffers.reused_bytes == 0, "a buffer still referenced (back, files) was reused"
+    del files, back, second
+    third = split_state(live, part_bytes=1 << 20, buffers=buffers)
+    assert buffers.reused_bytes == 4000
+    assert torch.equal(_through_bytes(third)["model"]["w"], torch.arange(1000.0) + 1)
+
+
+def test_odd_tensors_round_trip() -> None:
+    """Every dtype, 0-d and empty tensors, views and non-contiguous tensors, and tensors no
+    raw part can hold (sparse) come back equal."""
+    base = torch.randn(6, 4)
+    state = {
+        "model": {
+            "t": base.t(), "row": base[2], "scalar": torch.tensor(3.5, dtype=torch.float64),
+            "empty": torch.empty(0, 3), "bool": torch.tensor([True, False, True]),
+            "half": torch.randn(5).half(), "bf16": torch.randn(7).bfloat16(),
+            "cplx": torch.randn(3, dtype=torch.complex64), "i64": torch.arange(9),
+            "u8": torch.arange(5, dtype=torch.uint8), "sparse": torch.eye(3).to_sparse(),
+        },
+    }
+    back = _through_bytes(split_state(state))["model"]
+    for k, v in state["model"].items():
+        assert back[k].dtype == v.dtype and back[k].shape == v.shape, k
+        assert torch.equal(back[k].to_dense(), v.to_dense()), k
+
+
+def test_older_split_layout_still_loads(url: str) -> None:
+    """``hvd_resilient.split/1``: ``torch.save``-d parts, as written before raw parts."""
+    state = _state(5)
+    paths, tensors = [], []
+
+    def strip(obj: object, path: tuple) -> object:
+        if isinstance(obj, torch.Tensor):
+            paths.append(path)
+            tensors.append(obj)
+            return None
+        return obj
+
+    from hvd_resilient.checkpoint.serialize import map_leaves
+
+    tree = map_leaves(state, strip)
+    half = len(tensors) // 2
+    files = {
+        "state-00000.pt": dict(enumerate(tensors[:half])),
+        "state-00001.pt": {j: t for j, t in enumerate(tensors) if j >= half},
+        INDEX_FILE: {"format": "hvd_resilient.split/1", "tree": tree, "paths": paths,
+                     "parts": 2},
+    }
+    _save(CheckpointManager(url), 3, files)
+    _, loaded = CheckpointManager(url).load_latest(decode=decode_file)
+    _assert_same(state, join_state(loaded))

@@ -347,7 +347,7 @@ class CheckpointManager:
         return None, problem
 
     def _read_all(
-        self, info: CheckpointInfo, reuse: bool = False
+        self, info: CheckpointInfo, reuse: bool = False, kept: set[str] | None = None
     ) -> Iterator[tuple[str, Buffer | None, str]]:
         """Yield ``(name, data, problem)`` for every file of ``info`` in name order.
 
@@ -355,7 +355,8 @@ class CheckpointManager:
         on the file just yielded (a split state is ``torch.load``-ed part by part while the
         next parts arrive); the bound keeps at most that many files in memory besides what
         the caller kept. With ``reuse`` a file's buffer is recycled for a later file once the
-        caller asks for the next one, so only the first few files fault in fresh memory.
+        caller asks for the next one, so only the first few files fault in fresh memory; a file
+        whose name the caller put into ``kept`` before asking for the next is never recycled.
         Stopping early cancels what has not started.
         """
         buffers = _Buffers() if reuse else None
@@ -373,7 +374,7 @@ class CheckpointManager:
                 data, problem = fut.result()
                 del fut
                 yield name, data, problem
-                if buffers is not None and data is not None:
+                if buffers is not None and data is not None and name not in (kept or ()):
                     buffers.give(data)  # type: ignore[arg-type]
                 del data
         finally:
@@ -399,7 +400,8 @@ class CheckpointManager:
         the next files download, so deserializing overlaps the download. Its result is
         returned only if every file of the checkpoint verifies. ``data`` is reused for a later
         file once ``decode`` returns: keep a copy, never ``data`` itself (``torch.load``
-        copies into new tensors).
+        copies into new tensors). A ``decode`` that returns ``data`` itself (a raw part whose
+        tensors will be views of it) keeps that buffer: it is never recycled.
 
         Raises:
             CheckpointCorruptError: a file is missing or does not match the manifest.
@@ -407,10 +409,13 @@ class CheckpointManager:
             Whatever ``decode`` raises.
         """
         out: dict[str, Any] = {}
-        for name, data, problem in self._read_all(info, reuse=decode is not None):
+        kept: set[str] = set()
+        for name, data, problem in self._read_all(info, reuse=decode is not None, kept=kept):
             if data is None:
                 raise CheckpointCorruptError(info.prefix, problem)
             out[name] = data if decode is None else decode(name, data)
+            if out[name] is data:
+                kept.add(name)
             del data  # a decoded file's bytes are garbage now, not at the end of the loop
         self._verified.add(info.step)
         return out

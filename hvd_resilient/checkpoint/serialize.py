@@ -124,7 +124,7 @@ def snapshot_state_dict(sd: T) -> T:
 
     def snap(obj: Any, path: tuple[Any, ...]) -> Any:
         if isinstance(obj, torch.Tensor):
-            key = _alias_key(obj)
+            key = alias_key(obj)
             found = memo.get(key)
             if found is None:
                 found = memo[key] = obj.detach().to("cpu", copy=True)
@@ -136,7 +136,7 @@ def snapshot_state_dict(sd: T) -> T:
     return map_leaves(sd, snap)
 
 
-def _alias_key(t: Any) -> Any:
+def alias_key(t: Any) -> Any:
     """Same key for tensors that are the same view of the same memory.
 
     ``state_dict()`` returns a fresh ``detach()``-ed tensor object per entry, so tied weights

@@ -1,0 +1,79 @@
+"""Host memory for checkpoint snapshots, reused from one checkpoint to the next.
+
+The snapshot is the only part of a checkpoint that runs inside the training step, and most of
+its cost is not the copy but the first touch of fresh memory: faulting in 1 GB of new pages
+costs ~0.4 s on a small machine, copying into pages already touched ~0.13 s. A training state
+has the same layout at every checkpoint, so the buffers of a checkpoint whose upload finished
+are exactly the ones the next snapshot needs.
+
+A buffer is free once nothing but this pool refers to it: the writer's views, a tensor made
+with ``torch.frombuffer`` and ``memoryview`` all hold a reference to it, so a buffer still
+being hashed or uploaded is never handed out again. The cost is memory: between checkpoints
+the pool keeps one set of buffers (the size of one snapshot) that a fresh allocation would
+have returned; :func:`set_enabled` turns reuse off.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+# References to a pooled buffer that is otherwise unused: the pool's list, the loop variable
+# and getrefcount's own argument.
+_FREE_REFS = 3
+
+
+class HostBufferPool:
+    """Buffers for one snapshot at a time (:meth:`take`), reused when their sizes recur."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._all: list[bytearray] = []
+        self._lock = threading.Lock()
+        self.reused_bytes = 0
+        """Bytes handed out again instead of allocated (for tests and benchmarks)."""
+
+    def take(self, sizes: list[int]) -> list[bytearray]:
+        """One buffer of each size in ``sizes``; free pooled buffers of an equal size are
+        handed out again, the rest allocated. Free buffers this snapshot did not use are
+        dropped, so the pool never holds more than the snapshots still in flight plus one."""
+        if not self.enabled:
+            return [bytearray(n) for n in sizes]
+        with self._lock:
+            free: dict[int, list[bytearray]] = {}
+            for b in self._all:
+                if sys.getrefcount(b) <= _FREE_REFS:
+                    free.setdefault(len(b), []).append(b)
+            out: list[bytearray] = []
+            for n in sizes:
+                if free.get(n):
+                    out.append(free[n].pop())
+                    self.reused_bytes += n
+                else:
+                    out.append(bytearray(n))
+            unused = {id(b) for bs in free.values() for b in bs}
+            kept = [b for b in self._all if id(b) not in unused]
+            known = {id(b) for b in kept}
+            self._all = kept + [b for b in out if id(b) not in known]
+            del free, kept
+            return out
+
+
+_POOL = HostBufferPool()
+
+
+def pool() -> HostBufferPool:
+    """The process-wide pool snapshots use by default."""
+    return _POOL
+
+
+def set_enabled(enabled: bool) -> None:
+    """Turn reuse on or off for the process-wide pool (off frees its buffers)."""
+    with _POOL._lock:
+        _POOL.enabled = enabled
+        if not enabled:
+            _POOL._all = []
+
+
+if sys.implementation.name != "cpython":  # pragma: no cover - refcounts are CPython's
+    _POOL.enabled = False
