@@ -4,6 +4,7 @@ forbidden writes, an unreachable endpoint."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import random
@@ -111,6 +112,32 @@ def test_get_into_a_reused_buffer(store: CheckpointStore) -> None:
         store.get_into("small", 4, small)
     with pytest.raises(SizeMismatchError):
         store.get_into("big", len(data) - 1, memoryview(buf)[:-1])
+
+
+@pytest.mark.parametrize("size", [3 * MiB + 5, 23 * MiB + 1])  # one GET / ranged GETs (S3)
+def test_get_hashed_matches_sha256_of_the_object(store: CheckpointStore, size: int) -> None:
+    data = _blob(size, seed=4)
+    store.put("obj", data)
+    buf, digest = store.get_hashed("obj", size)
+    assert buf == data and digest == hashlib.sha256(data).hexdigest()
+    out = memoryview(bytearray(size))
+    buf, digest = store.get_hashed("obj", size, out)
+    assert buf is out and digest == hashlib.sha256(data).hexdigest()
+    with pytest.raises(SizeMismatchError):
+        store.get_hashed("obj", size - 1)
+
+
+def test_s3_feeds_ranges_in_order_while_they_arrive(s3_server, s3_url) -> None:
+    """The streamed hash must see the object in order even though ranges complete out of
+    order on parallel threads."""
+    st = open_store(s3_url, part_size=5 * MiB, threads=6)
+    data = _blob(27 * MiB + 3, seed=5)
+    st.put("ranged", data)
+    view = memoryview(bytearray(len(data)))
+    pieces: list[bytes] = []
+    assert st._read_into("ranged", view, lambda piece: pieces.append(bytes(piece))) is True
+    assert b"".join(pieces) == data and len(pieces) == 6
+    st.close()
 
 
 def test_s3_large_put_really_is_multipart(s3_server, s3_url) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 from hvd_resilient.checkpoint.store import (
     CheckpointStore,
+    Feed,
     SizeMismatchError,
     StoreConfigError,
     StoreError,
@@ -132,7 +133,7 @@ class FileStore(CheckpointStore):
         except OSError as e:
             raise self._err(e, key) from None
 
-    def _read_into(self, key: str, view: memoryview) -> None:
+    def _read_into(self, key: str, view: memoryview, feed: Feed | None = None) -> bool:
         size = len(view)
         try:
             with open(self._path(key), "rb") as f:
@@ -149,6 +150,7 @@ class FileStore(CheckpointStore):
                             f"{self.url}/{key}: expected {size} bytes, file ended at {done}"
                         )
                     done += n
+            return False  # one read(2) for the whole file: nothing to overlap with
         except IsADirectoryError:
             raise StoreNotFoundError(f"{self.url}/{key} does not exist") from None
         except OSError as e:

@@ -276,39 +276,50 @@ class CheckpointManager:
 
     # ---- find -----------------------------------------------------------------------------
 
-    def scan(self) -> ScanResult:
-        """List the store and sort its step folders into complete, partial and invalid.
-
-        Raises:
-            StoreError: listing or reading a manifest failed (other than a vanished one).
-        """
+    def _folders(self) -> dict[int, list[str]]:
+        """One listing of the store: step -> the keys of its folder."""
         by_step: dict[int, list[str]] = {}
         for key in self.store.list("step-"):
             folder, _, rest = key.partition("/")
             step = parse_step_dir(folder)
             if step is not None and rest:
                 by_step.setdefault(step, []).append(key)
-        result = ScanResult()
         if by_step:
             self._max_seen = max(max(by_step), self._max_seen or 0)
         elif self._max_seen is None:
             self._max_seen = -1  # an empty location: nothing to overwrite yet
-        for step in sorted(by_step):
-            keys = by_step[step]
-            prefix = step_dir(step)
-            manifest_key = f"{prefix}/{MANIFEST_NAME}"
-            if manifest_key not in keys:
+        return by_step
+
+    def _manifest(self, step: int, keys: list[str]) -> CheckpointInfo | str | None:
+        """The folder's checkpoint, the reason its manifest is unreadable, or None (no
+        manifest: partial, or pruned since the listing)."""
+        prefix = step_dir(step)
+        manifest_key = f"{prefix}/{MANIFEST_NAME}"
+        if manifest_key not in keys:
+            return None
+        try:
+            raw = self.store.get(manifest_key)
+            return CheckpointInfo.from_json(raw, prefix=prefix, url=f"{self.url}/{prefix}")
+        except StoreNotFoundError:  # pruned between list and get
+            return None
+        except ManifestError as e:
+            return str(e)
+
+    def scan(self) -> ScanResult:
+        """List the store and sort its step folders into complete, partial and invalid.
+
+        Raises:
+            StoreError: listing or reading a manifest failed (other than a vanished one).
+        """
+        result = ScanResult()
+        for step, keys in sorted(self._folders().items()):
+            found = self._manifest(step, keys)
+            if isinstance(found, CheckpointInfo):
+                result.checkpoints.append(found)
+            elif isinstance(found, str):
+                result.invalid[step] = found
+            elif f"{step_dir(step)}/{MANIFEST_NAME}" not in keys:
                 result.partial[step] = keys
-                continue
-            try:
-                raw = self.store.get(manifest_key)
-                info = CheckpointInfo.from_json(raw, prefix=prefix, url=f"{self.url}/{prefix}")
-            except StoreNotFoundError:  # pruned between list and get
-                continue
-            except ManifestError as e:
-                result.invalid[step] = str(e)
-                continue
-            result.checkpoints.append(info)
         return result
 
     def list(self) -> list[CheckpointInfo]:
@@ -333,13 +344,13 @@ class CheckpointManager:
         (data, "") or (None, problem)."""
         out = None if buffers is None else buffers.take(entry.size)
         try:
-            data = self.store.get_into(info.key(name), entry.size, out)
+            data, digest = self.store.get_hashed(info.key(name), entry.size, out)
         except StoreNotFoundError:
             problem = f"{name} missing"
         except SizeMismatchError:
             problem = f"{name} size differs from the manifest's {entry.size} bytes"
         else:
-            if sha256_hex(data) == entry.sha256:
+            if digest == entry.sha256:
                 return data, ""
             problem = f"{name} sha256 mismatch"
         if out is not None and buffers is not None:
@@ -432,19 +443,19 @@ class CheckpointManager:
         Raises:
             StoreError: the store failed (never treated as "no checkpoint").
         """
-        scan = self.scan()
-        candidates: list[tuple[int, CheckpointInfo | str]] = [
-            (i.step, i) for i in scan.checkpoints
-        ]
-        candidates += [(s, f"unreadable manifest: {r}") for s, r in scan.invalid.items()]
-        for step, item in sorted(candidates, key=lambda c: c[0], reverse=True):
+        # Manifests are read newest first and only until one loads: a run that keeps many
+        # checkpoints (keep_every) resumes after one listing and one manifest, not one each.
+        for step, keys in sorted(self._folders().items(), reverse=True):
+            item = self._manifest(step, keys)
+            if item is None:
+                continue  # partial (an upload in progress or died) or pruned meanwhile
             if isinstance(item, CheckpointInfo):
                 try:
                     return item, self.load(item, decode)
                 except CheckpointCorruptError as e:
                     reason = e.reason
             else:
-                reason = item
+                reason = f"unreadable manifest: {item}"
             logger.warning(
                 "checkpoint %s is corrupt (%s); falling back to an older one",
                 step_dir(step), reason,

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from hvd_resilient.checkpoint.store import (
     CheckpointStore,
+    Feed,
     SizeMismatchError,
     StoreConfigError,
     StoreError,
@@ -66,6 +67,25 @@ def _import_boto3() -> Any:
             "s3:// checkpoints need boto3, which is not installed: pip install boto3"
         ) from None
     return boto3
+
+
+class _InOrder:
+    """Passes the ranges of one object to ``feed`` in order as they complete out of order: a
+    range that completes hands on itself and every completed one after it."""
+
+    def __init__(self, view: memoryview, ranges: list[tuple[int, int]], feed: Feed) -> None:
+        self._view, self._ranges, self._feed = view, ranges, feed
+        self._next = 0
+        self._done: set[int] = set()
+        self._lock = threading.Lock()
+
+    def done(self, i: int) -> None:
+        with self._lock:
+            self._done.add(i)
+            while self._next in self._done:
+                a, b = self._ranges[self._next]
+                self._feed(self._view[a:b])
+                self._next += 1
 
 
 class S3Store(CheckpointStore):
@@ -312,8 +332,10 @@ class S3Store(CheckpointStore):
 
     # ---- download -------------------------------------------------------------------------
 
-    def _read_body(self, resp: dict[str, Any], view: memoryview, key: str) -> int:
-        """Stream a response body into ``view``; return the byte count (fails if it overflows)."""
+    def _read_body(self, resp: dict[str, Any], view: memoryview, key: str,
+                   feed: Feed | None = None) -> int:
+        """Stream a response body into ``view``, passing each chunk to ``feed`` once it is in
+        place; return the byte count (fails if it overflows)."""
         pos = 0
         body = resp["Body"]
         try:
@@ -322,6 +344,8 @@ class S3Store(CheckpointStore):
                 if end > len(view):
                     raise SizeMismatchError(f"{self.url}/{key}: object larger than expected")
                 view[pos:end] = chunk
+                if feed is not None:
+                    feed(view[pos:end])
                 pos = end
         except (self._bexc.BotoCoreError, self._bexc.ClientError) as e:
             raise self._error(e, "get", key) from None
@@ -329,7 +353,8 @@ class S3Store(CheckpointStore):
             body.close()
         return pos
 
-    def _get_range(self, key: str, view: memoryview, a: int, b: int, total: int) -> None:
+    def _get_range(self, key: str, view: memoryview, a: int, b: int, total: int,
+                   done: Callable[[], object] | None = None) -> None:
         resp = self._call(
             "get", key, self.client.get_object,
             Bucket=self.bucket, Key=self._key(key), Range=f"bytes={a}-{b - 1}",
@@ -342,8 +367,10 @@ class S3Store(CheckpointStore):
         n = self._read_body(resp, view[a:b], key)
         if n != b - a:
             raise SizeMismatchError(f"{self.url}/{key}: short read at byte {a + n} of {total}")
+        if done is not None:
+            done()
 
-    def _read_into(self, key: str, view: memoryview) -> None:
+    def _read_into(self, key: str, view: memoryview, feed: Feed | None = None) -> bool:
         size = len(view)
         if size <= self.multipart_threshold:
             resp = self._call(
@@ -354,9 +381,9 @@ class S3Store(CheckpointStore):
                 raise SizeMismatchError(
                     f"{self.url}/{key}: expected {size} bytes, found {resp.get('ContentLength')}"
                 )
-            if self._read_body(resp, view, key) != size:
+            if self._read_body(resp, view, key, feed) != size:
                 raise SizeMismatchError(f"{self.url}/{key}: short read")
-            return
+            return True
         # One HEAD first: a wrong size must fail as a mismatch, not as a pile of range errors.
         head = self._call(
             "get", key, self.client.head_object, Bucket=self.bucket, Key=self._key(key)
@@ -365,10 +392,14 @@ class S3Store(CheckpointStore):
             raise SizeMismatchError(
                 f"{self.url}/{key}: expected {size} bytes, found {head.get('ContentLength')}"
             )
+        ranges = self._ranges(0, size)
+        ordered = None if feed is None else _InOrder(view, ranges, feed)
         self._run_parallel(
-            [lambda a=a, b=b: self._get_range(key, view, a, b, size)
-             for a, b in self._ranges(0, size)]
+            [lambda i=i, a=a, b=b: self._get_range(
+                key, view, a, b, size, None if ordered is None else lambda: ordered.done(i))
+             for i, (a, b) in enumerate(ranges)]
         )
+        return True
 
     def _get(self, key: str) -> bytes | bytearray:
         # The first part doubles as the size probe (Content-Range carries the total), so small

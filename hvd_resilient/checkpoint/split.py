@@ -4,10 +4,10 @@ restore no deserialization, and parts verify while later ones still download.
 Layout (format ``hvd_resilient.split/2``):
 
 - ``state-00000.bin``, ``state-00001.bin``, ...: the bytes of consecutive tensors, each at a
-  64-byte aligned offset, up to about :data:`PART_BYTES` per part. A part never mixes top-level
-  keys (``model``, ``optimizer``, ...): restored tensors are views of their part's buffer, and a
-  part that held both model and optimizer tensors would keep the model's bytes alive after
-  ``load_state_dict`` copied them into the parameters.
+  64-byte aligned offset, up to about :data:`PART_BYTES` per part. A part never mixes sections
+  (top-level containers: ``model``, ``optimizer``, ...): restored tensors are views of their
+  part's buffer, and a part that held both model and optimizer tensors would keep the model's
+  bytes alive after ``load_state_dict`` copied them into the parameters.
 - ``state-index.pt``: a small ``torch.save`` (loaded with ``weights_only=True``) of the state with
   every tensor replaced by ``None``, and for each tensor its part, offset, size, dtype and shape.
   Tensors sharing memory (tied weights) share one slot. Tensors that are not plain dense CPU-able
@@ -112,7 +112,8 @@ def split_state(state: Any, part_bytes: int = PART_BYTES,
             slot = by_alias.get(key)
             if slot is None:
                 nbytes = obj.numel() * obj.element_size()
-                part, offset = place(nbytes, path[0] if path else None)
+                # sections (model, optimizer, ...) are containers; a flat dict has none
+                part, offset = place(nbytes, path[0] if len(path) > 1 else None)
                 slot = by_alias[key] = len(slots)
                 slots.append((part, offset, nbytes, str(obj.dtype).removeprefix("torch."),
                               tuple(obj.shape)))

@@ -9,6 +9,7 @@ transient errors, so that behaviour lives in one place and backends stay short.
 from __future__ import annotations
 
 import abc
+import hashlib
 import logging
 import os
 import random
@@ -21,6 +22,8 @@ logger = logging.getLogger(__name__)
 
 #: What ``put`` accepts: anything exposing the buffer protocol as contiguous bytes.
 Buffer = bytes | bytearray | memoryview
+#: Receives the pieces of an object in order while it downloads (see ``get_hashed``).
+Feed = Callable[[memoryview], object]
 
 T = TypeVar("T")
 
@@ -171,6 +174,33 @@ class CheckpointStore(abc.ABC):
         self._retry("get", key, lambda: self._read_into(key, view))
         return out
 
+    def get_hashed(self, key: str, size: int, out: memoryview | None = None) -> tuple[Buffer, str]:
+        """:meth:`get_into` plus the sha256 (hex) of the bytes read.
+
+        Where a backend reads an object as ordered pieces (S3: one stream for a small object,
+        ranges completing in order for a large one), each piece is hashed as soon as it and
+        all before it have arrived, so hashing overlaps the transfer instead of following it.
+        A retried read starts a fresh hash.
+
+        Raises:
+            The same as :meth:`get_into`.
+        """
+        validate_key(key)
+        if size < 0:
+            raise ValueError(f"size must be >= 0, got {size}")
+        if out is not None and out.nbytes != size:
+            raise ValueError(f"out holds {out.nbytes} bytes, expected {size}")
+        buf: Buffer = out if out is not None else bytearray(size)
+        view = memoryview(buf).cast("B") if memoryview(buf).format != "B" else memoryview(buf)
+
+        def attempt() -> str:
+            h = hashlib.sha256()
+            if not self._read_into(key, view, h.update):
+                h.update(view)
+            return h.hexdigest()
+
+        return buf, self._retry("get", key, attempt)
+
     def list(self, prefix: str = "") -> list[str]:
         """Return the sorted keys that start with ``prefix`` (a plain string prefix, like S3).
 
@@ -231,14 +261,19 @@ class CheckpointStore(abc.ABC):
         self._read_into(key, memoryview(buf))
         return buf
 
-    def _read_into(self, key: str, view: memoryview) -> None:
-        """Fill ``view`` with the object, which must be exactly ``len(view)`` bytes long."""
+    def _read_into(self, key: str, view: memoryview, feed: Feed | None = None) -> bool:
+        """Fill ``view`` with the object, which must be exactly ``len(view)`` bytes long.
+
+        A backend that can pass ``feed`` every piece of the object in order, as it arrives,
+        does so and returns True; returning False leaves the caller to use ``view`` after.
+        """
         data = self._get(key)
         if len(data) != len(view):
             raise SizeMismatchError(
                 f"{self.url}/{key}: expected {len(view)} bytes, found {len(data)}"
             )
         view[:] = data
+        return False
 
     @abc.abstractmethod
     def _list(self, prefix: str) -> Iterable[str]: ...
