@@ -15,12 +15,30 @@ have returned; :func:`set_enabled` turns reuse off.
 
 from __future__ import annotations
 
+import mmap
 import sys
 import threading
+
+#: From this size on, buffers are anonymous mappings rather than bytearrays.
+MAP_FROM = 1 << 20
+
+HostBuffer = bytearray | mmap.mmap
 
 # References to a pooled buffer that is otherwise unused: the pool's list, the loop variable
 # and getrefcount's own argument.
 _FREE_REFS = 3
+
+
+def allocate(nbytes: int) -> HostBuffer:
+    """Writable host memory of ``nbytes`` that nothing has written yet.
+
+    ``bytearray(n)`` writes n zeros before the caller writes its own bytes: filling a fresh
+    1 GB bytearray costs ~0.75 s here, a fresh private anonymous mapping (whose zero pages
+    the kernel supplies on first touch) ~0.45 s.
+    """
+    if nbytes < MAP_FROM:
+        return bytearray(nbytes)
+    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
 class HostBufferPool:
@@ -28,29 +46,29 @@ class HostBufferPool:
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
-        self._all: list[bytearray] = []
+        self._all: list[HostBuffer] = []
         self._lock = threading.Lock()
         self.reused_bytes = 0
         """Bytes handed out again instead of allocated (for tests and benchmarks)."""
 
-    def take(self, sizes: list[int]) -> list[bytearray]:
+    def take(self, sizes: list[int]) -> list[HostBuffer]:
         """One buffer of each size in ``sizes``; free pooled buffers of an equal size are
         handed out again, the rest allocated. Free buffers this snapshot did not use are
         dropped, so the pool never holds more than the snapshots still in flight plus one."""
         if not self.enabled:
-            return [bytearray(n) for n in sizes]
+            return [allocate(n) for n in sizes]
         with self._lock:
-            free: dict[int, list[bytearray]] = {}
+            free: dict[int, list[HostBuffer]] = {}
             for b in self._all:
                 if sys.getrefcount(b) <= _FREE_REFS:
                     free.setdefault(len(b), []).append(b)
-            out: list[bytearray] = []
+            out: list[HostBuffer] = []
             for n in sizes:
                 if free.get(n):
                     out.append(free[n].pop())
                     self.reused_bytes += n
                 else:
-                    out.append(bytearray(n))
+                    out.append(allocate(n))
             unused = {id(b) for bs in free.values() for b in bs}
             kept = [b for b in self._all if id(b) not in unused]
             known = {id(b) for b in kept}

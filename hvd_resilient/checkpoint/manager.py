@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import mmap
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
@@ -23,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from hvd_resilient.checkpoint.host_buffers import HostBuffer, allocate
 from hvd_resilient.checkpoint.manifest import (
     MANIFEST_NAME,
     REPLICATED,
@@ -90,7 +92,7 @@ class _Buffers:
     buffers for all its files pays that only for the first ones."""
 
     def __init__(self) -> None:
-        self._free: list[bytearray] = []
+        self._free: list[HostBuffer] = []
         self._lock = threading.Lock()
 
     def take(self, size: int) -> memoryview:
@@ -100,7 +102,7 @@ class _Buffers:
             buf = min(fits, key=len) if fits else None
             if buf is not None:
                 self._free.remove(buf)
-        return memoryview(buf if buf is not None else bytearray(size))[:size]
+        return memoryview(buf if buf is not None else allocate(size))[:size]
 
     def give(self, view: memoryview) -> None:
         """Return a view's buffer for reuse; the view must not be used afterwards."""
@@ -109,7 +111,7 @@ class _Buffers:
             view.release()
         except BufferError:  # someone still holds it: let it be garbage, never reuse it
             return
-        if isinstance(buf, bytearray):
+        if isinstance(buf, bytearray | mmap.mmap):
             with self._lock:
                 self._free.append(buf)
 

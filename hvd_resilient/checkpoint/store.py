@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterable
 from typing import TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
+from hvd_resilient.checkpoint.host_buffers import allocate
+
 logger = logging.getLogger(__name__)
 
 #: What ``put`` accepts: anything exposing the buffer protocol as contiguous bytes.
@@ -151,7 +153,9 @@ class CheckpointStore(abc.ABC):
 
     def get_into(self, key: str, size: int, out: memoryview | None = None) -> Buffer:
         """Return the object under ``key`` in one buffer of exactly ``size`` bytes: ``out``
-        (a writable byte view of that length) when given, else a new ``bytearray``.
+        (a writable byte view of that length) when given, else a new writable buffer (a
+        ``memoryview`` over fresh memory that was not zero-filled first; see
+        ``host_buffers.allocate``).
 
         Knowing the size up front (from a manifest) lets a backend skip a metadata request and
         fetch ranges in parallel straight into their final place; passing ``out`` lets a
@@ -190,7 +194,7 @@ class CheckpointStore(abc.ABC):
             raise ValueError(f"size must be >= 0, got {size}")
         if out is not None and out.nbytes != size:
             raise ValueError(f"out holds {out.nbytes} bytes, expected {size}")
-        buf: Buffer = out if out is not None else bytearray(size)
+        buf: Buffer = out if out is not None else memoryview(allocate(size))
         view = memoryview(buf).cast("B") if memoryview(buf).format != "B" else memoryview(buf)
 
         def attempt() -> str:
@@ -256,10 +260,10 @@ class CheckpointStore(abc.ABC):
     @abc.abstractmethod
     def _get(self, key: str) -> bytes | bytearray: ...
 
-    def _get_into(self, key: str, size: int) -> bytearray:
-        buf = bytearray(size)
-        self._read_into(key, memoryview(buf))
-        return buf
+    def _get_into(self, key: str, size: int) -> Buffer:
+        view = memoryview(allocate(size))
+        self._read_into(key, view)
+        return view
 
     def _read_into(self, key: str, view: memoryview, feed: Feed | None = None) -> bool:
         """Fill ``view`` with the object, which must be exactly ``len(view)`` bytes long.
