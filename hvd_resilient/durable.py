@@ -9,6 +9,7 @@ for S3, and rank 0 waits only for the copy. On start, rank 0 reads the newest ch
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -22,6 +23,7 @@ from hvd_resilient.checkpoint.split import (
     decode_file,
     join_state,
     split_state,
+    warm_buffers,
 )
 from hvd_resilient.checkpoint.writer import AsyncCheckpointWriter
 from hvd_resilient.config import TrainConfig
@@ -45,6 +47,7 @@ class DurableCheckpoints:
         self._writer: AsyncCheckpointWriter | None = None
         self.last_saved_step = -1
         self._last_save_time: float | None = None
+        self._warm_started = False
 
     def _emit(self, name: str, fields: dict[str, Any]) -> None:
         self.events.emit(name, **fields)
@@ -108,7 +111,26 @@ class DurableCheckpoints:
 
     def due(self) -> bool:
         every, step = self.config.checkpoint_every, self.state.step
+        if every > 0 and step >= 1 and not self._warm_started:
+            self._start_warming()
         return every > 0 and step % every == 0 and step != self.last_saved_step
+
+    def _start_warming(self) -> None:
+        """Rank 0, once the optimizer has its state (after the first step): fault in the
+        snapshot buffers on a background thread, so that the first checkpoint's copy does not
+        pay for fresh memory inside the step (see ``split.warm_buffers``)."""
+        self._warm_started = True
+        if self.backend.rank() != 0:
+            return
+
+        def warm() -> None:
+            try:
+                n = warm_buffers(self.state.checkpoint_state([]))
+                log.debug("snapshot buffers warmed: %d bytes", n)
+            except Exception as e:  # the state changed under us: the first save pays instead
+                log.debug("snapshot buffers not warmed: %s", e)
+
+        threading.Thread(target=warm, name="ckpt-warm", daemon=True).start()
 
     def save(self, *, blocking: bool = False) -> None:
         """Collective: every rank must call it at the same step."""

@@ -21,6 +21,7 @@ from hvd_resilient.checkpoint.split import (
     join_state,
     part_name,
     split_state,
+    warm_buffers,
 )
 
 
@@ -159,6 +160,16 @@ def test_split_is_a_snapshot_and_reuses_buffers_only_when_released() -> None:
     third = split_state(live, part_bytes=1 << 20, buffers=buffers)
     assert buffers.reused_bytes == 4000
     assert torch.equal(_through_bytes(third)["model"]["w"], torch.arange(1000.0) + 1)
+
+
+def test_warmed_buffers_serve_the_first_snapshot() -> None:
+    buffers = HostBufferPool()
+    state = _state(6)
+    warmed = warm_buffers(state, part_bytes=3 << 20, buffers=buffers)
+    assert warmed > 0 and buffers.reused_bytes == 0
+    files = split_state(state, part_bytes=3 << 20, buffers=buffers)
+    assert buffers.reused_bytes == warmed  # every part landed in warmed memory
+    _assert_same(state, _through_bytes(files))
 
 
 def test_odd_tensors_round_trip() -> None:
