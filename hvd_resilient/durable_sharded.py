@@ -48,6 +48,12 @@ class ShardedDurableCheckpoints(DurableCheckpoints):
     small for the store.
     """
 
+    def _start_warming(self) -> None:
+        """Nothing to warm: shards are written by ``torch.distributed.checkpoint``, not through
+        the snapshot buffers, and a sharded ``state_dict()`` is collective (never call it from
+        a background thread of one rank)."""
+        self._warm_started = True
+
     def __init__(self, config: TrainConfig, state: StateCore, events: EventLog,
                  backend: Backend) -> None:
         import torch.distributed as dist
