@@ -160,6 +160,44 @@ def test_added_host_workers_start_before_the_running_ones_are_told(tmp_path, job
     assert len(set(final_digests(run).values())) == 1
 
 
+def test_a_standby_that_dies_before_its_release_is_replaced_not_waited_for(tmp_path, jobs):
+    """A newcomer killed while it imports (a broken environment on the new host, an OOM kill):
+    the driver must not release the dead process into the new world (which would then wait for
+    it until the Gloo timeout and fail) but start its slot afresh at the reset."""
+    run = tmp_path / "run"
+    run.mkdir()
+    hosts, discover = write_discovery(tmp_path, "localhost:2")
+    cmd = horovodrun_elastic(discover, 2, 2, 4)
+    cmd[:1] = [PYTHON, "-m", "hvd_resilient.launch.horovod_driver"]
+    job = jobs.start(cmd + [PYTHON, JOB, "--run-dir", str(run), "--expect-sizes", "2,4",
+                            "--steps-at-each", "20", "--commit-every", "5"],
+                     env=jobs.env(HVD_RESILIENT_STANDBY="1"), name="standby-dies")
+    wait_for(lambda: any(c["size"] == 2 and c["step"] >= 10 for c in commits(run)), 120,
+             "10 steps at size 2", job)
+    set_hosts(hosts, "localhost:2,127.0.0.1:2")
+
+    def a_newcomer() -> psutil.Process | None:
+        for p in job.processes():
+            try:
+                if (p.name().startswith("python")
+                        and p.environ().get("HOROVOD_HOSTNAME") == "127.0.0.1+0"):
+                    return p
+            except psutil.Error:
+                continue
+        return None
+
+    victim = wait_for(a_newcomer, 60, "the standby of slot 127.0.0.1+0", job, poll=0.01)
+    victim.kill()  # while it imports torch: it never says it is ready
+    assert job.wait(240) == 0, job.output()[-3000:]
+    assert "exited (code" in job.output() and "before its release" in job.output()
+    evs = events(run / "events.jsonl")
+    assert victim.pid not in {e.get("pid") for e in evs if e["event"] == "start"}
+    assert not [e for e in evs if e["event"] == "restore"], "the new world failed"
+    assert sizes_seen(run) == [2, 4]
+    assert len(set(final_digests(run).values())) == 1
+    assert_exactly_once(run, 2048)
+
+
 @pytest.mark.parametrize("what,hosts,np,fault,sizes", [
     ("worker", "localhost:1,127.0.0.1:1", 2, "kill:rank=1:step=37", [2, 1, 2]),
     ("host", "localhost:2,127.0.0.1:2", 4, "kill:rank=2:step=37,kill:rank=3:step=37",

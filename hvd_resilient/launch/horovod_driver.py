@@ -20,6 +20,7 @@ Horovod's own.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sys
 import threading
@@ -29,6 +30,8 @@ from typing import Any
 
 from hvd_resilient import slot_hosts
 from hvd_resilient.launch import standby as standby_mod
+
+logger = logging.getLogger("hvd_resilient.launch")
 
 ENV = "HVD_RESILIENT_SLOT_HOSTS"
 STANDBY_ENV = "HVD_RESILIENT_STANDBY"
@@ -89,6 +92,8 @@ def install_standby(ready_timeout_s: float = 120.0) -> None:
     from horovod.runner.elastic.driver import ElasticDriver
 
     notify = ElasticDriver._notify_workers_host_changes
+    handle_exit = ElasticDriver._handle_worker_exit
+    lock = threading.Lock()  # the standby table: started, not yet released
 
     def notify_when_ready(self: Any, current_hosts: Any, update_res: Any) -> None:
         standby = self.__dict__.setdefault("_hvdr_standby", {})
@@ -104,7 +109,8 @@ def install_standby(ready_timeout_s: float = 120.0) -> None:
                 for s in new:
                     _kv_set(self, standby_mod.READY, _key(s), None)
                     _kv_set(self, standby_mod.GO, _key(s), None)
-                    standby[_key(s)] = s
+                    with lock:
+                        standby[_key(s)] = s
                     self._start_worker_process(s)
                 threading.Thread(target=_notify_later, args=(self, new, update_res),
                                  daemon=True, name="hvd-resilient-standby").start()
@@ -113,9 +119,12 @@ def install_standby(ready_timeout_s: float = 120.0) -> None:
 
     def _notify_later(self: Any, new: list[Any], update_res: Any) -> None:
         deadline = time.monotonic() + ready_timeout_s
+        standby = self.__dict__.setdefault("_hvdr_standby", {})
         while time.monotonic() < deadline and not self.finished():
             ready = _kv(self, standby_mod.READY)
-            if all(_key(s) in ready for s in new):
+            with lock:  # a standby that died is not waited for: its slot starts cold instead
+                waiting = [s for s in new if _key(s) in standby and _key(s) not in ready]
+            if not waiting:
                 break
             time.sleep(0.05)
         with self._wait_hosts_cond:
@@ -125,11 +134,30 @@ def install_standby(ready_timeout_s: float = 120.0) -> None:
         standby = self.__dict__.setdefault("_hvdr_standby", {})
         for s in pending_slots:
             _kv_set(self, standby_mod.GO, _key(s), standby_mod.slot_env(s))
-            if standby.pop(_key(s), None) is None:
+            with lock:
+                released = standby.pop(_key(s), None) is not None
+            if not released:
                 self._start_worker_process(s)
+
+    def exit_of_standby(self: Any, slot: Any, exit_code: int, timestamp: Any) -> None:
+        """A standby that exits before its release (a broken environment on the new host, an
+        OOM kill) leaves the table, so that the reset starts its slot afresh, and a failure of
+        that fresh worker is a worker failure Horovod handles. Without this the driver would
+        release a dead process and the new world would wait for it until the Gloo timeout."""
+        standby = self.__dict__.setdefault("_hvdr_standby", {})
+        with lock:
+            unreleased = standby.get(_key(slot)) is slot
+            if unreleased:
+                del standby[_key(slot)]
+        if unreleased:
+            logger.warning("standby worker for %s exited (code %s) before its release; the "
+                           "slot will start a fresh worker at the reset", _key(slot), exit_code)
+            return
+        handle_exit(self, slot, exit_code, timestamp)
 
     ElasticDriver._notify_workers_host_changes = notify_when_ready
     ElasticDriver._start_worker_processes = start_or_release
+    ElasticDriver._handle_worker_exit = exit_of_standby
 
     run_elastic = launch._run_elastic
 
