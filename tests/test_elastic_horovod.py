@@ -122,9 +122,9 @@ def test_host_changes_act_at_the_next_step_not_the_next_commit(tmp_path, jobs):
     assert_followed_2_4_2_losing_nothing(run)
 
 
-def test_added_host_workers_start_before_the_running_ones_are_told(tmp_path, jobs):
-    """Standby: the newcomers import while the old world trains; the process that joins is the
-    one started early (same pid), and the old workers heard of the change only after it began."""
+def grow_2_to_4_with_standby(tmp_path: Path, jobs, name: str):
+    """A job through our driver (standby on) on `localhost:2`, 10 steps in, then told by
+    discovery that `127.0.0.1:2` joined; it stops 20 steps after reaching size 4: (run, job)."""
     run = tmp_path / "run"
     run.mkdir()
     hosts, discover = write_discovery(tmp_path, "localhost:2")
@@ -132,10 +132,17 @@ def test_added_host_workers_start_before_the_running_ones_are_told(tmp_path, job
     cmd[:1] = [PYTHON, "-m", "hvd_resilient.launch.horovod_driver"]
     job = jobs.start(cmd + [PYTHON, JOB, "--run-dir", str(run), "--expect-sizes", "2,4",
                             "--steps-at-each", "20", "--commit-every", "5"],
-                     env=jobs.env(HVD_RESILIENT_STANDBY="1"), name="standby")
+                     env=jobs.env(HVD_RESILIENT_STANDBY="1"), name=name)
     wait_for(lambda: any(c["size"] == 2 and c["step"] >= 10 for c in commits(run)), 120,
              "10 steps at size 2", job)
     set_hosts(hosts, "localhost:2,127.0.0.1:2")
+    return run, job
+
+
+def test_added_host_workers_start_before_the_running_ones_are_told(tmp_path, jobs):
+    """Standby: the newcomers import while the old world trains; the process that joins is the
+    one started early (same pid), and the old workers heard of the change only after it began."""
+    run, job = grow_2_to_4_with_standby(tmp_path, jobs, "standby")
 
     def newcomers() -> dict[int, float]:
         out = {}
@@ -164,17 +171,7 @@ def test_a_standby_that_dies_before_its_release_is_replaced_not_waited_for(tmp_p
     """A newcomer killed while it imports (a broken environment on the new host, an OOM kill):
     the driver must not release the dead process into the new world (which would then wait for
     it until the Gloo timeout and fail) but start its slot afresh at the reset."""
-    run = tmp_path / "run"
-    run.mkdir()
-    hosts, discover = write_discovery(tmp_path, "localhost:2")
-    cmd = horovodrun_elastic(discover, 2, 2, 4)
-    cmd[:1] = [PYTHON, "-m", "hvd_resilient.launch.horovod_driver"]
-    job = jobs.start(cmd + [PYTHON, JOB, "--run-dir", str(run), "--expect-sizes", "2,4",
-                            "--steps-at-each", "20", "--commit-every", "5"],
-                     env=jobs.env(HVD_RESILIENT_STANDBY="1"), name="standby-dies")
-    wait_for(lambda: any(c["size"] == 2 and c["step"] >= 10 for c in commits(run)), 120,
-             "10 steps at size 2", job)
-    set_hosts(hosts, "localhost:2,127.0.0.1:2")
+    run, job = grow_2_to_4_with_standby(tmp_path, jobs, "standby-dies")
 
     def a_newcomer() -> psutil.Process | None:
         for p in job.processes():
