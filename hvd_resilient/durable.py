@@ -15,6 +15,7 @@ from typing import Any
 
 from hvd_resilient import rng
 from hvd_resilient.backends.base import Backend
+from hvd_resilient.checkpoint.host_buffers import pool
 from hvd_resilient.checkpoint.manager import CheckpointManager
 from hvd_resilient.checkpoint.manifest import REPLICATED, CheckpointInfo
 from hvd_resilient.checkpoint.serialize import check_state_dict_keys
@@ -120,7 +121,7 @@ class DurableCheckpoints:
         snapshot buffers on a background thread, so that the first checkpoint's copy does not
         pay for fresh memory inside the step (see ``split.warm_buffers``)."""
         self._warm_started = True
-        if self.backend.rank() != 0:
+        if self.backend.rank() != 0 or not pool().enabled:
             return
 
         def warm() -> None:

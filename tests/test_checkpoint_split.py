@@ -5,6 +5,7 @@ layouts (``torch.save``-d parts, one ``state.pt``) still load."""
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from pathlib import Path
 
@@ -160,6 +161,19 @@ def test_split_is_a_snapshot_and_reuses_buffers_only_when_released() -> None:
     third = split_state(live, part_bytes=1 << 20, buffers=buffers)
     assert buffers.reused_bytes == 4000
     assert torch.equal(_through_bytes(third)["model"]["w"], torch.arange(1000.0) + 1)
+
+
+def test_reuse_can_be_turned_off_from_the_environment() -> None:
+    import subprocess
+    import sys
+
+    code = ("from hvd_resilient.checkpoint.host_buffers import pool; "
+            "print(pool().enabled)")
+    env = {**os.environ, "HVD_RESILIENT_SNAPSHOT_REUSE": "0"}
+    off = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    env["HVD_RESILIENT_SNAPSHOT_REUSE"] = "1"
+    on = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert (off.stdout.strip(), on.stdout.strip()) == ("False", "True"), (off.stderr, on.stderr)
 
 
 def test_warmed_buffers_serve_the_first_snapshot() -> None:

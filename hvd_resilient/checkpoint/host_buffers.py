@@ -10,12 +10,14 @@ A buffer is free once nothing but this pool refers to it: the writer's views, a 
 with ``torch.frombuffer`` and ``memoryview`` all hold a reference to it, so a buffer still
 being hashed or uploaded is never handed out again. The cost is memory: between checkpoints
 the pool keeps one set of buffers (the size of one snapshot) that a fresh allocation would
-have returned; :func:`set_enabled` turns reuse off.
+have returned; ``HVD_RESILIENT_SNAPSHOT_REUSE=0`` turns reuse off where that memory is
+tighter than the stall.
 """
 
 from __future__ import annotations
 
 import mmap
+import os
 import sys
 import threading
 
@@ -77,21 +79,12 @@ class HostBufferPool:
             return out
 
 
-_POOL = HostBufferPool()
+REUSE_ENV = "HVD_RESILIENT_SNAPSHOT_REUSE"
+# Refcounts tell when a buffer is free only on CPython.
+_POOL = HostBufferPool(enabled=os.environ.get(REUSE_ENV, "1") != "0"
+                       and sys.implementation.name == "cpython")
 
 
 def pool() -> HostBufferPool:
     """The process-wide pool snapshots use by default."""
     return _POOL
-
-
-def set_enabled(enabled: bool) -> None:
-    """Turn reuse on or off for the process-wide pool (off frees its buffers)."""
-    with _POOL._lock:
-        _POOL.enabled = enabled
-        if not enabled:
-            _POOL._all = []
-
-
-if sys.implementation.name != "cpython":  # pragma: no cover - refcounts are CPython's
-    _POOL.enabled = False

@@ -365,8 +365,8 @@ class CheckpointManager:
         """Yield ``(name, data, problem)`` for every file of ``info`` in name order.
 
         :data:`READ_AHEAD` files download and hash on worker threads while the caller works
-        on the file just yielded (a split state is ``torch.load``-ed part by part while the
-        next parts arrive); the bound keeps at most that many files in memory besides what
+        on the file just yielded (a split state's parts become tensors while the next parts
+        arrive); the bound keeps at most that many files in memory besides what
         the caller kept. With ``reuse`` a file's buffer is recycled for a later file once the
         caller asks for the next one, so only the first few files fault in fresh memory; a file
         whose name the caller put into ``kept`` before asking for the next is never recycled.
