@@ -163,6 +163,21 @@ def test_split_is_a_snapshot_and_reuses_buffers_only_when_released() -> None:
     assert torch.equal(_through_bytes(third)["model"]["w"], torch.arange(1000.0) + 1)
 
 
+def test_the_pool_keeps_in_flight_snapshots_plus_one() -> None:
+    """Snapshots faster than uploads (the writer supersedes): memory stays bounded."""
+    buffers = HostBufferPool()
+    sizes = [3 << 20, 5]
+    a, b = buffers.take(sizes), buffers.take(sizes)  # one uploading, one pending
+    assert buffers.reused_bytes == 0
+    del a, b  # both done
+    c = buffers.take(sizes)
+    assert buffers.reused_bytes == sum(sizes)
+    assert len(buffers._all) == len(sizes), "the second free set must have been dropped"
+    del c
+    buffers.take([7 << 20])  # another layout: the old free set goes
+    assert [len(x) for x in buffers._all] == [7 << 20]
+
+
 def test_reuse_can_be_turned_off_from_the_environment() -> None:
     import subprocess
     import sys
