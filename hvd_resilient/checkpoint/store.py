@@ -167,16 +167,9 @@ class CheckpointStore(abc.ABC):
             SizeMismatchError: the stored object is not ``size`` bytes long.
             StorePermissionError, StoreConfigError, TransientStoreError, StoreError.
         """
-        validate_key(key)
-        if size < 0:
-            raise ValueError(f"size must be >= 0, got {size}")
-        if out is not None and out.nbytes != size:
-            raise ValueError(f"out holds {out.nbytes} bytes, expected {size}")
-        if out is None:
-            return self._retry("get", key, lambda: self._get_into(key, size))
-        view = out.cast("B") if out.format != "B" else out
+        buf, view = self._destination(key, size, out)
         self._retry("get", key, lambda: self._read_into(key, view))
-        return out
+        return buf
 
     def get_hashed(self, key: str, size: int, out: memoryview | None = None) -> tuple[Buffer, str]:
         """:meth:`get_into` plus the sha256 (hex) of the bytes read.
@@ -189,13 +182,7 @@ class CheckpointStore(abc.ABC):
         Raises:
             The same as :meth:`get_into`.
         """
-        validate_key(key)
-        if size < 0:
-            raise ValueError(f"size must be >= 0, got {size}")
-        if out is not None and out.nbytes != size:
-            raise ValueError(f"out holds {out.nbytes} bytes, expected {size}")
-        buf: Buffer = out if out is not None else memoryview(allocate(size))
-        view = memoryview(buf).cast("B") if memoryview(buf).format != "B" else memoryview(buf)
+        buf, view = self._destination(key, size, out)
 
         def attempt() -> str:
             h = hashlib.sha256()
@@ -204,6 +191,18 @@ class CheckpointStore(abc.ABC):
             return h.hexdigest()
 
         return buf, self._retry("get", key, attempt)
+
+    @staticmethod
+    def _destination(key: str, size: int, out: memoryview | None) -> tuple[Buffer, memoryview]:
+        """The checked arguments of a sized read: the buffer to return (``out`` or fresh
+        memory) and a byte view of it for the backend to fill."""
+        validate_key(key)
+        if size < 0:
+            raise ValueError(f"size must be >= 0, got {size}")
+        if out is not None and out.nbytes != size:
+            raise ValueError(f"out holds {out.nbytes} bytes, expected {size}")
+        buf = out if out is not None else memoryview(allocate(size))
+        return buf, (buf.cast("B") if buf.format != "B" else buf)
 
     def list(self, prefix: str = "") -> list[str]:
         """Return the sorted keys that start with ``prefix`` (a plain string prefix, like S3).
@@ -259,11 +258,6 @@ class CheckpointStore(abc.ABC):
 
     @abc.abstractmethod
     def _get(self, key: str) -> bytes | bytearray: ...
-
-    def _get_into(self, key: str, size: int) -> Buffer:
-        view = memoryview(allocate(size))
-        self._read_into(key, view)
-        return view
 
     def _read_into(self, key: str, view: memoryview, feed: Feed | None = None) -> bool:
         """Fill ``view`` with the object, which must be exactly ``len(view)`` bytes long.

@@ -87,6 +87,11 @@ def _key(slot: Any) -> str:
     return f"{slot.hostname}:{slot.local_rank}"
 
 
+def _standby_table(driver: Any) -> dict[str, Any]:
+    """The driver's standby workers: started, not yet released (slot key -> SlotInfo)."""
+    return driver.__dict__.setdefault("_hvdr_standby", {})
+
+
 def install_standby(ready_timeout_s: float = 120.0) -> None:
     from horovod.runner import launch
     from horovod.runner.elastic.driver import ElasticDriver
@@ -96,7 +101,7 @@ def install_standby(ready_timeout_s: float = 120.0) -> None:
     lock = threading.Lock()  # the standby table: started, not yet released
 
     def notify_when_ready(self: Any, current_hosts: Any, update_res: Any) -> None:
-        standby = self.__dict__.setdefault("_hvdr_standby", {})
+        standby = _standby_table(self)
         if self._host_assignments and (
             current_hosts.count_available_slots() >= self._min_num_proc
         ):
@@ -119,7 +124,7 @@ def install_standby(ready_timeout_s: float = 120.0) -> None:
 
     def _notify_later(self: Any, new: list[Any], update_res: Any) -> None:
         deadline = time.monotonic() + ready_timeout_s
-        standby = self.__dict__.setdefault("_hvdr_standby", {})
+        standby = _standby_table(self)
         while time.monotonic() < deadline and not self.finished():
             ready = _kv(self, standby_mod.READY)
             with lock:  # a standby that died is not waited for: its slot starts cold instead
@@ -131,7 +136,7 @@ def install_standby(ready_timeout_s: float = 120.0) -> None:
             notify(self, self._host_manager.current_hosts, update_res)
 
     def start_or_release(self: Any, pending_slots: list[Any]) -> None:
-        standby = self.__dict__.setdefault("_hvdr_standby", {})
+        standby = _standby_table(self)
         for s in pending_slots:
             _kv_set(self, standby_mod.GO, _key(s), standby_mod.slot_env(s))
             with lock:
@@ -144,7 +149,7 @@ def install_standby(ready_timeout_s: float = 120.0) -> None:
         OOM kill) leaves the table, so that the reset starts its slot afresh, and a failure of
         that fresh worker is a worker failure Horovod handles. Without this the driver would
         release a dead process and the new world would wait for it until the Gloo timeout."""
-        standby = self.__dict__.setdefault("_hvdr_standby", {})
+        standby = _standby_table(self)
         with lock:
             unreleased = standby.get(_key(slot)) is slot
             if unreleased:
