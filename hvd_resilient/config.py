@@ -58,6 +58,12 @@ class TrainConfig:
     """How the learning rate follows the world size: none, or linear (lr x world size)."""
     resume: bool = True
     """Resume from the newest verified checkpoint of this run, if there is one."""
+    fresh_start: bool = False
+    """Start from step 0 although checkpoints exist at checkpoint_url (they are kept, never
+    rewritten); without it such a run refuses to start."""
+    deterministic: bool = False
+    """Bit-identical results at a fixed world size for any number of ranks (gradients reduced
+    in a fixed order: no tensor fusion); costs throughput, see docs/benchmarks.md."""
     grace_seconds: float = 60.0
     """On SIGTERM/SIGUSR1, time allowed for the final synchronous checkpoint."""
     log_every: int = 50

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 
+FATAL_EXIT_CODE = 78
+"""EX_CONFIG: a worker stopped on an error no restart can fix (a bad config, a checkpoint that
+does not fit the model). The Horovod driver stops the whole job when a worker exits with it,
+and the supervisor does not relaunch."""
+
+
 class HvdResilientError(Exception):
     """Base class: the CLI prints `str(err)` as one line and exits non-zero, no traceback."""
 
-    exit_code = 2
+    exit_code = FATAL_EXIT_CODE
 
 
 class ConfigError(HvdResilientError):

@@ -11,7 +11,7 @@ import pytest
 from jobs import PYTHON, ROOT
 
 from hvd_resilient.config import TrainConfig
-from hvd_resilient.errors import ConfigError
+from hvd_resilient.errors import FATAL_EXIT_CODE, ConfigError
 from hvd_resilient.launch.horovod import ElasticLaunch
 
 
@@ -81,7 +81,7 @@ def test_bad_config_stops_the_example_with_one_line_before_training(tmp_path):
     r = subprocess.run([PYTHON, str(ROOT / "examples" / "digits.py"), "--commit-every", "0",
                         "--run-dir", str(tmp_path / "r")],
                        capture_output=True, text=True, timeout=120, env=env)
-    assert r.returncode == 2
+    assert r.returncode == FATAL_EXIT_CODE  # a launcher must not restart it
     assert r.stderr.strip().splitlines() == [
         "hvd-resilient: error: config: commit_every must be >= 1, got 0 "
         "(--commit-every / HVD_RESILIENT_COMMIT_EVERY)"
