@@ -57,10 +57,9 @@ class TrainConfig:
     lr_scaling: str = "none"
     """How the learning rate follows the world size: none, or linear (lr x world size)."""
     resume: bool = True
-    """Resume from the newest verified checkpoint of this run, if there is one."""
-    fresh_start: bool = False
-    """Start from step 0 although checkpoints exist at checkpoint_url (they are kept, never
-    rewritten); without it such a run refuses to start."""
+    """Resume from the newest verified checkpoint of this run, if there is one. With --no-resume
+    a run refuses to start while checkpoints exist at checkpoint_url (they are never rewritten);
+    `hvd-resilient run --fresh-start` or `hvd-resilient ckpt supersede` sets them aside first."""
     deterministic: bool = False
     """Bit-identical results at a fixed world size for any number of ranks (gradients reduced
     in a fixed order: no tensor fusion); costs throughput, see docs/benchmarks.md."""
