@@ -103,8 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                          sampler=ElasticDataSampler(n_windows, seed=cfg.seed), seed=cfg.seed,
                          lr_scaling=cfg.lr_scaling, loss=math.nan)
     checkpoints = DurableCheckpoints(cfg, state, events, HorovodBackend())
-    if hvd.rank() == 0 and cfg.resume:
-        checkpoints.resume()
+    checkpoints.start()  # resume on rank 0; a failure stops every rank at the first sync
 
     @hvd_resilient.run
     def train(state: ElasticState) -> None:
@@ -131,8 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                 state.commit()
             if checkpoints.due():
                 checkpoints.save()
-        if checkpoints.last_saved_step != state.step:
-            checkpoints.save()
+        checkpoints.finish()  # the final checkpoint, published before anyone returns
 
     train(state)
     checkpoints.close(timeout=cfg.grace_seconds)

@@ -63,6 +63,9 @@ class TrainConfig:
     deterministic: bool = False
     """Bit-identical results at a fixed world size for any number of ranks (gradients reduced
     in a fixed order: no tensor fusion); costs throughput, see docs/benchmarks.md."""
+    store_wait_seconds: float = 60.0
+    """At start, how long an unreachable checkpoint store is retried before the run stops
+    (it never starts from scratch over checkpoints it could not read)."""
     grace_seconds: float = 60.0
     """On SIGTERM/SIGUSR1, time allowed for the final synchronous checkpoint."""
     log_every: int = 50
@@ -82,6 +85,11 @@ class TrainConfig:
                 raise ConfigError(
                     f"config: {name} must be >= 0, got {getattr(self, name)} ({_where(name)})"
                 )
+        if self.store_wait_seconds < 0:
+            raise ConfigError(
+                f"config: store_wait_seconds must be >= 0, got {self.store_wait_seconds} "
+                f"({_where('store_wait_seconds')})"
+            )
         if self.grace_seconds <= 0:
             raise ConfigError(
                 f"config: grace_seconds must be > 0, got {self.grace_seconds} "

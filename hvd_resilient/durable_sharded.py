@@ -55,10 +55,10 @@ class ShardedDurableCheckpoints(DurableCheckpoints):
         self._warm_started = True
 
     def __init__(self, config: TrainConfig, state: StateCore, events: EventLog,
-                 backend: Backend) -> None:
+                 backend: Backend, *, faults: Any = None) -> None:
         import torch.distributed as dist
 
-        super().__init__(config, state, events, backend)
+        super().__init__(config, state, events, backend, faults=faults)
         # Created here, on every rank at the same point (creating a group is a collective).
         group = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT)
         self.saver = ShardedCheckpointer(
@@ -91,7 +91,7 @@ class ShardedDurableCheckpoints(DurableCheckpoints):
                             "a larger --checkpoint-every)", self.state.step,
                             time.perf_counter() - t0)
         streams = self.backend.allgather_object(rng.capture())
-        self.last_saved_step = self.state.step
+        self.state.ckpt_requested = self.state.step
         self._last_save_time = time.time()
         files: dict[str, Any] = {}
         if self.backend.rank() == 0:
@@ -103,6 +103,19 @@ class ShardedDurableCheckpoints(DurableCheckpoints):
         )
         if blocking:
             self.saver.wait(self.config.grace_seconds)
+
+    def _root_published(self) -> int:
+        last = self.saver.last_saved
+        return last.step if last is not None else -1
+
+    def _flush(self, timeout: float | None) -> bool:
+        return self.saver.wait(timeout)
+
+    def finish(self) -> None:
+        """Every rank uploads its shards: every rank waits for its own before rank 0 can have
+        published (the publish itself runs on rank 0 after a gather of all shard lists)."""
+        self.saver.wait()
+        super().finish()
 
     def close(self, timeout: float | None = None) -> None:
         self.saver.close(timeout)

@@ -3,7 +3,9 @@
 A plan comes from one environment variable, read once by the entry point and passed down:
 `HVD_RESILIENT_FAULT="kill:rank=1:step=50"` (also `raise:` for a Python exception and
 `abort:` for an out-of-memory-style abort, and `stall:rank=0:step=30:seconds=6` for a rank
-that is alive but busy in Python, which must NOT be taken for a failure). Each fault fires once
+that is alive but busy in Python, which must NOT be taken for a failure). `at=upload` fires in
+the checkpoint writer instead, once the files of that step's checkpoint are stored and before
+its manifest is published: the worst moment for rank 0 to die. Each fault fires once
 per run: a marker file in the run folder remembers it (and when it fired), so the worker that
 refills the slot does not fire it again.
 """
@@ -20,6 +22,7 @@ from hvd_resilient.errors import ConfigError
 
 ENV = "HVD_RESILIENT_FAULT"
 KINDS = ("kill", "raise", "abort", "stall")
+MOMENTS = ("step", "upload")
 
 
 class InjectedFault(RuntimeError):
@@ -32,6 +35,7 @@ class Fault:
     rank: int
     step: int
     seconds: float = 6.0  # stall only
+    at: str = "step"
 
 
 class FaultPlan:
@@ -46,20 +50,23 @@ class FaultPlan:
             kind, *kv = item.split(":")
             fields = dict(p.split("=", 1) for p in kv if "=" in p)
             try:
-                if kind not in KINDS:
+                if kind not in KINDS or fields.get("at", "step") not in MOMENTS:
                     raise ValueError(kind)
                 faults.append(Fault(kind, int(fields["rank"]), int(fields["step"]),
-                                    float(fields.get("seconds", 6.0))))
+                                    float(fields.get("seconds", 6.0)), fields.get("at", "step")))
             except (KeyError, ValueError):
                 raise ConfigError(
-                    f"{ENV}: cannot parse {item!r}; use KIND:rank=R:step=S with KIND one of "
-                    f"{', '.join(KINDS)}"
+                    f"{ENV}: cannot parse {item!r}; use KIND:rank=R:step=S[:at=step|upload] "
+                    f"with KIND one of {', '.join(KINDS)}"
                 ) from None
         return cls(faults, run_dir)
 
-    def maybe_fire(self, rank: int, step: int) -> None:
+    def fires_at(self, at: str) -> bool:
+        return any(f.at == at for f in self.faults)
+
+    def maybe_fire(self, rank: int, step: int, at: str = "step") -> None:
         for i, f in enumerate(self.faults):
-            if f.rank != rank or f.step != step:
+            if f.rank != rank or f.step != step or f.at != at:
                 continue
             marker = self.run_dir / f".fault-{i}-{f.kind}-r{f.rank}-s{f.step}"
             try:

@@ -91,7 +91,7 @@ class ElasticState(StateCore, TorchState):
         self._host_check_every = host_check_every if is_elastic() else 0
         super().__init__(
             model=model, optimizer=optimizer, step=0, samples=0, lr_scale=1.0,
-            resume_rng=None, **extras,
+            resume_rng=None, ckpt_requested=-1, ckpt_published=-1, fatal="", **extras,
         )
         self._handlers["sampler"] = _StateDictHandler(sampler)
         self.sampler = sampler
@@ -108,6 +108,7 @@ class ElasticState(StateCore, TorchState):
 
     # -- the elastic protocol -------------------------------------------------------------
     def commit(self) -> None:
+        self._run_hooks(self._before_commit)
         t0 = time.perf_counter()
         self.save()
         self.last_commit_step = self.step
@@ -152,6 +153,13 @@ class ElasticState(StateCore, TorchState):
         self._apply_lr_scaling()
         # Everyone now holds rank 0's state: make it the commit point, so that a failure before
         # the next commit restores this, not whatever a freshly started worker had.
+        self.save()
+        self._run_hooks(self._after_sync)
+
+    def mark_fatal(self, error: str) -> None:
+        """Rank 0 at start: committed, so the first sync (which sends rank 0's committed
+        attributes) spreads it to every rank, joiners included."""
+        super().mark_fatal(error)
         self.save()
 
     def load_checkpoint_state(self, sd: dict[str, Any]) -> None:

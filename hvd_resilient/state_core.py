@@ -10,6 +10,7 @@ streams, learning-rate scaling and the parameter digest.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from typing import Any
 
 from hvd_resilient import rng
@@ -35,6 +36,13 @@ class StateCore:
     samples: int
     lr_scale: float
     resume_rng: dict[str, Any] | None
+    ckpt_requested: int
+    """Newest step whose durable checkpoint the job asked for (the same on every rank)."""
+    ckpt_published: int
+    """Newest step whose checkpoint every rank knows is published (manifest written)."""
+    fatal: str
+    """Set when the job must stop (a resume that failed on rank 0): the first sync spreads it,
+    so every rank stops instead of training from scratch beside the failed one."""
     _seed: int
     _lr_scaling: str
     _extra_names: tuple[str, ...]
@@ -48,6 +56,27 @@ class StateCore:
         self._seed, self._lr_scaling = seed, lr_scaling
         self._extra_names = tuple(extras)
         self.last_commit_step = 0
+        self._after_sync: list[Callable[[], None]] = []
+        self._before_commit: list[Callable[[], None]] = []
+
+    # -- hooks ------------------------------------------------------------------------------
+    def on_sync(self, fn: Callable[[], None]) -> None:
+        """Runs ``fn`` on every rank after each sync (the start and every reset): collectives
+        are allowed, every rank runs it at the same point with the same state."""
+        self._after_sync.append(fn)
+
+    def on_commit(self, fn: Callable[[], None]) -> None:
+        """Runs ``fn`` on every rank at each commit, before the commit point is taken, so what
+        it changes in the state is committed with it. Collectives are allowed."""
+        self._before_commit.append(fn)
+
+    def _run_hooks(self, hooks: list[Callable[[], None]]) -> None:
+        for fn in hooks:
+            fn()
+
+    def mark_fatal(self, error: str) -> None:
+        """Records an error that must stop the whole job; see :attr:`fatal`."""
+        self.fatal = error
 
     def _rank(self) -> int:
         raise NotImplementedError

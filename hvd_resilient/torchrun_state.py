@@ -37,6 +37,8 @@ class TorchrunState(StateCore):
         self.step = self.samples = 0
         self.lr_scale = 1.0
         self.resume_rng: dict[str, Any] | None = None
+        self.ckpt_requested = self.ckpt_published = -1
+        self.fatal = ""
 
     def _rank(self) -> int:
         return self._rank_fn()
@@ -49,8 +51,10 @@ class TorchrunState(StateCore):
         rank loaded the same checkpoint: only the per-rank parts are left."""
         self._apply_start_rng()
         self._apply_lr_scaling()
+        self._run_hooks(self._after_sync)
 
     def commit(self) -> None:
+        self._run_hooks(self._before_commit)
         self.last_commit_step = self.step
 
     def host_change_pending(self) -> bool:

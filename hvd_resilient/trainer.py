@@ -21,10 +21,8 @@ import torch
 from torch.utils.data import default_collate
 
 from hvd_resilient import backends, log, memory
-from hvd_resilient.checkpoint.store import StoreError
 from hvd_resilient.config import TrainConfig
 from hvd_resilient.durable import DurableCheckpoints
-from hvd_resilient.errors import HvdResilientError
 from hvd_resilient.events import EventLog
 from hvd_resilient.faults import ENV as FAULT_ENV
 from hvd_resilient.faults import FaultPlan
@@ -118,25 +116,20 @@ class Trainer:
             model, optimizer, sampler=sampler, scheduler=self.scheduler, seed=cfg.seed,
             lr_scaling=cfg.lr_scaling, events=events, last_loss=math.nan,
         )
-        durable = _durable_class(cfg.fsdp)(cfg, state, events, backend)
+        self._faults = FaultPlan.parse(os.environ.get(FAULT_ENV), cfg.run_dir)
+        durable = _durable_class(cfg.fsdp)(cfg, state, events, backend, faults=self._faults)
         rank0 = backend.rank() == 0
         events.emit("start", pid=os.getpid(), host=socket.gethostname(), backend=backend.name,
                     run_id=cfg.run_id, config=cfg.to_dict() if rank0 else None)
-        if cfg.resume and (rank0 or backend.resume_on_every_rank):
-            try:
-                durable.resume()
-            except (HvdResilientError, StoreError) as e:
-                # A restart would meet the same checkpoint or store: tell the supervisor.
-                events.emit("fatal", error=str(e), restartable=False)
-                raise
+        # Resume (or refuse to start); a failure stops every rank at the first sync, never
+        # just rank 0 while the others train from scratch over the run's checkpoints.
+        durable.start()
         preempt = _flag_preemption()
         self._watch_memory(state, events, backend)
-        self._faults = FaultPlan.parse(os.environ.get(FAULT_ENV), cfg.run_dir)
 
         def train(state: Any) -> None:
             self._loop(state, durable, preempt)
-            if durable.last_saved_step != state.step:
-                durable.save()
+            durable.finish()
 
         try:
             backend.run(train, state)

@@ -71,6 +71,7 @@ class AsyncCheckpointWriter:
         self._serialize = serialize
         self._cv = threading.Condition()
         self._pending: _Job | None = None
+        self._writing: int | None = None  # the step being written now
         self._busy = False
         self._closed = False
         self.last_saved: CheckpointInfo | None = None
@@ -170,6 +171,13 @@ class AsyncCheckpointWriter:
         self._thread.join(left)
         return flushed and not self._thread.is_alive()
 
+    def holds(self, step: int) -> bool:
+        """Whether ``step`` is pending, being written or the newest published here: a save
+        of the same step again (redone after a reset) would write the same folder twice."""
+        with self._cv:
+            return step in (self._writing, self._pending.step if self._pending else None,
+                            self.last_saved.step if self.last_saved else None)
+
     @property
     def busy(self) -> bool:
         """Whether a snapshot is pending or being written."""
@@ -197,13 +205,13 @@ class AsyncCheckpointWriter:
                 if self._pending is None:
                     return  # closed and drained
                 job, self._pending = self._pending, None
-                self._busy = True
+                self._busy, self._writing = True, job.step
             try:
                 self._write(job, t0=time.perf_counter())
             finally:
                 del job  # release the snapshot before waiting for the next one
                 with self._cv:
-                    self._busy = False
+                    self._busy, self._writing = False, None
                     self._cv.notify_all()
 
     def _write(

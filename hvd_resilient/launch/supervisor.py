@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from hvd_resilient.errors import FATAL_EXIT_CODE
 from hvd_resilient.events import EventLog, read_events
 from hvd_resilient.log import get
 
@@ -66,13 +67,16 @@ class Supervisor:
             code = self._child.wait()
             evs = self._events_since(t0)
             self.events.emit("launcher_exit", attempt=attempt, exit_code=code)
+            fatal = [e for e in evs if e["event"] == "fatal"]
+            if fatal:
+                # Checked before the exit code: a launcher can exit 0 after a rank reported a
+                # fatal error (the others trained on), and that is never success.
+                return Outcome(code or FATAL_EXIT_CODE, attempt,
+                               f"not restarting: {fatal[0].get('error')}")
             if code == 0:
                 return Outcome(0, attempt, "finished")
             if self._stopping:
                 return Outcome(code, attempt, "stopped by a signal to the supervisor")
-            fatal = [e for e in evs if e["event"] == "fatal"]
-            if fatal:
-                return Outcome(code, attempt, f"not restarting: {fatal[0].get('error')}")
             if not any(e["event"] == "start" and e["rank"] >= 0 for e in evs):
                 return Outcome(code, attempt, "not restarting: the training script exited "
                                "before any rank started training (see its output above)")
