@@ -142,15 +142,21 @@ class DurableCheckpoints:
         if error:
             self.state.mark_fatal(error)
 
-    def _refuse_existing(self) -> None:
-        """--no-resume must not write a second history over the first one."""
-        found = self.manager.list()
-        if found:
+    def _published_steps(self) -> list[int]:
+        """Steps whose folder holds a manifest, readable or not: a start from scratch would
+        write them again."""
+        scan = self.manager.scan()
+        return sorted([c.step for c in scan.checkpoints] + list(scan.invalid))
+
+    def _refuse_existing(self, why: str = "--no-resume was given") -> None:
+        """A run must not write a second history over the first one."""
+        steps = self._published_steps()
+        if steps:
             raise ResumeError(
                 f"checkpoints exist at {redact_url(self.config.checkpoint_url)} (newest step "
-                f"{found[-1].step}) and --no-resume was given: they are never rewritten; "
-                "resume from them (drop --no-resume), set them aside with `hvd-resilient ckpt "
-                "supersede URL` (or `hvd-resilient run --fresh-start`), or use another --run-id")
+                f"{steps[-1]}) and {why}: they are never rewritten; resume from them, set them "
+                "aside with `hvd-resilient ckpt supersede URL` (or `hvd-resilient run "
+                "--fresh-start`), or use another --run-id")
 
     def _load_latest(self) -> Any:
         """`load_latest`, retried while the store is unreachable, up to store_wait_seconds:
@@ -179,14 +185,17 @@ class DurableCheckpoints:
         this code too, while the others wait in sync."""
         found = self._load_latest()
         if found is None:
-            log.info("no checkpoint at %s: starting from scratch", self.config.checkpoint_url)
+            self._refuse_existing("none of them verifies (see checkpoint_skipped events and "
+                                  "`hvd-resilient ckpt verify`)")
+            log.info("no checkpoint at %s: starting from scratch",
+                     redact_url(self.config.checkpoint_url))
             return None
         info, files = found
         if info.layout != REPLICATED:
             raise ResumeError(
-                f"checkpoint {self.config.checkpoint_url} step {info.step} is {info.layout} "
-                f"(written with fsdp at world size {info.world_size}); resume it with --fsdp "
-                "under torchrun, or start a new run id")
+                f"checkpoint {redact_url(self.config.checkpoint_url)} step {info.step} is "
+                f"{info.layout} (written with fsdp at world size {info.world_size}); resume it "
+                "with --fsdp under torchrun, or start a new run id")
         expected = self.state.model_keys()
         try:  # a manifest that verifies can still hold what this model cannot take
             sd = join_state(files)

@@ -19,6 +19,7 @@ from hvd_resilient.backends.base import Backend
 from hvd_resilient.checkpoint.manager import CheckpointError
 from hvd_resilient.checkpoint.serialize import from_bytes, to_buffer
 from hvd_resilient.checkpoint.sharded import ShardedCheckpointer
+from hvd_resilient.checkpoint.store import redact_url
 from hvd_resilient.config import TrainConfig
 from hvd_resilient.durable import DurableCheckpoints
 from hvd_resilient.errors import ResumeError
@@ -72,9 +73,13 @@ class ShardedDurableCheckpoints(DurableCheckpoints):
         try:
             found = self.saver.load_latest(target)
         except CheckpointError as e:
-            raise ResumeError(f"checkpoint {self.config.checkpoint_url}: {e}") from None
+            raise ResumeError(f"checkpoint {redact_url(self.config.checkpoint_url)}: {e}") \
+                from None
         if found is None:
-            log.info("no checkpoint at %s: starting from scratch", self.config.checkpoint_url)
+            self._refuse_existing("none of them verifies (see checkpoint_skipped events and "
+                                  "`hvd-resilient ckpt verify`)")
+            log.info("no checkpoint at %s: starting from scratch",
+                     redact_url(self.config.checkpoint_url))
             return None
         info, files = found
         fsdp.apply_sharded_state(self.state.model, self.state.optimizer, target)

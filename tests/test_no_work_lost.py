@@ -93,6 +93,25 @@ def test_no_resume_over_existing_checkpoints_refuses_to_start(tmp_path):
     assert tree_digest(run / "checkpoints") == before
 
 
+def test_checkpoints_that_all_fail_verification_are_not_trained_over(tmp_path):
+    """Resume skips a bad checkpoint for an older one; when none is left it must not start from
+    scratch and write its own steps over the evidence."""
+    run = tmp_path / "run"
+    cmd = [PYTHON, DIGITS, "--run-dir", str(run), "--max-steps", "4", "--checkpoint-every", "2"]
+    env = {"PYTHONPATH": str(ROOT), "PATH": str(Path(PYTHON).parent) + ":/usr/bin:/bin"}
+    assert subprocess.run(cmd, capture_output=True, timeout=180, env=env).returncode == 0
+    for part in (run / "checkpoints").glob("step-*/*"):
+        if part.name != "manifest.json":
+            data = bytearray(part.read_bytes())
+            data[len(data) // 2] ^= 0x01
+            part.write_bytes(bytes(data))
+    before = tree_digest(run / "checkpoints")
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    assert again.returncode == FATAL_EXIT_CODE, again.stderr[-3000:]
+    assert "none of them verifies" in again.stderr and "Traceback" not in again.stderr
+    assert tree_digest(run / "checkpoints") == before
+
+
 def test_store_down_at_relaunch_waits_within_a_bound_and_never_trains_from_scratch(
         tmp_path, jobs, s3_url, s3_server):
     jobs.extra_env.update(s3_server.env())
