@@ -25,6 +25,7 @@ from hvd_resilient.checkpoint import CheckpointManager
 from hvd_resilient.checkpoint.cli import main as ckpt_main
 from hvd_resilient.checkpoint.dcp_safe import UnsafeMetadataError, read_metadata
 from hvd_resilient.checkpoint.manifest import CheckpointInfo, FileEntry, ManifestError, new_info
+from hvd_resilient.errors import FATAL_EXIT_CODE
 
 TORCHRUN = str(Path(PYTHON).parent / "torchrun")
 JOB = str(ROOT / "tests" / "scripts" / "fsdp_job.py")
@@ -148,7 +149,7 @@ def test_fsdp_with_horovod_is_one_config_error(tmp_path):
     r = subprocess.run([PYTHON, JOB, "--fsdp", "--run-dir", str(tmp_path), "--dump-dir",
                         str(tmp_path / "dumps")],
                        capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert r.returncode == 2
+    assert r.returncode == FATAL_EXIT_CODE
     assert r.stderr.strip().splitlines() == [
         "hvd-resilient: error: config: fsdp needs the torchrun backend, this job runs on horovod"
         " (launch it with torchrun or `hvd-resilient run --backend torchrun`, or drop --fsdp /"
