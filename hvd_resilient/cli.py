@@ -10,7 +10,10 @@ from hvd_resilient.errors import exit_on_error
 
 def _ckpt(argv: list[str]) -> int:
     from hvd_resilient.checkpoint.cli import main
+    from hvd_resilient.config import refuse_credentials
 
+    for arg in argv:  # before any store sees it: a URL's password must not reach a message
+        refuse_credentials(arg, "ckpt")
     return main(argv)
 
 
@@ -42,6 +45,12 @@ COMMANDS = {
 
 @exit_on_error
 def main(argv: list[str] | None = None) -> int:
+    from hvd_resilient.masking import MaskingWriter
+
+    # The terminal is a boundary too: whatever a subcommand prints goes out masked.
+    for name in ("stdout", "stderr"):
+        if not isinstance(getattr(sys, name), MaskingWriter):
+            setattr(sys, name, MaskingWriter(getattr(sys, name)))
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         parser = argparse.ArgumentParser(prog="hvd-resilient")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import os
 from collections.abc import Mapping
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hvd_resilient.errors import ConfigError
+from hvd_resilient.masking import has_credentials, mask_url, scrub
 
 ENV_PREFIX = "HVD_RESILIENT_"
 LR_SCALING = ("none", "linear")
@@ -160,12 +162,11 @@ class TrainConfig:
                 if v is not None:
                     values[name] = v
         values.update({k: v for k, v in overrides.items() if v is not None})
-        unknown = sorted(set(values) - names)
-        if unknown:
-            raise ConfigError(
-                f"config: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}"
-            )
-        return cls(**{k: _coerce(k, cls._type_of(k), v) for k, v in values.items()})
+        refuse_unknown(values, names, "config")
+        cfg = cls(**{k: _coerce(k, cls._type_of(k), v) for k, v in values.items()})
+        refuse_credentials(cfg.checkpoint_url,
+                           f"config: checkpoint_url ({_where('checkpoint_url')})")
+        return cfg
 
     @classmethod
     def _type_of(cls, name: str) -> str:
@@ -173,7 +174,8 @@ class TrainConfig:
         return t if isinstance(t, str) else t.__name__
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The config as it may be recorded (the `start` event): credentials masked."""
+        return scrub(dataclasses.asdict(self))
 
 
 def _field_doc(name: str) -> str:
@@ -202,6 +204,31 @@ def _coerce(name: str, type_name: str, value: Any) -> Any:
         raise ConfigError(
             f"config: {name} must be a {type_name}, got {value!r} ({_where(name)})"
         ) from None
+
+
+def refuse_unknown(values: Mapping[str, Any], known: set[str] | frozenset[str],
+                   what: str) -> None:
+    """One line naming each unknown key and the closest known one (a typo never passes
+    silently: `max_restart: 0` would otherwise leave the default in force)."""
+    unknown = sorted(set(values) - set(known))
+    if not unknown:
+        return
+    parts = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+        parts.append(f"{key} (did you mean {close[0]}?)" if close else key)
+    raise ConfigError(f"{what}: unknown field{'s' if len(unknown) > 1 else ''} "
+                      f"{', '.join(parts)}; known: {', '.join(sorted(known))}")
+
+
+def refuse_credentials(url: str, what: str) -> None:
+    """A checkpoint URL with user:password@ would put a secret into process lists, logs and
+    events; the store refuses it anyway, so say so at once, masked."""
+    if has_credentials(url):
+        raise ConfigError(
+            f"{what}: {mask_url(url)} embeds credentials; use the AWS credential chain "
+            "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE or an instance role) instead"
+        )
 
 
 def load_file(path: str) -> dict[str, Any]:

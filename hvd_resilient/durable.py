@@ -25,7 +25,7 @@ from hvd_resilient.backends.base import Backend
 from hvd_resilient.checkpoint.host_buffers import pool
 from hvd_resilient.checkpoint.manager import CheckpointManager
 from hvd_resilient.checkpoint.manifest import REPLICATED, CheckpointInfo
-from hvd_resilient.checkpoint.serialize import check_state_dict_keys
+from hvd_resilient.checkpoint.serialize import check_state_dict
 from hvd_resilient.checkpoint.split import (
     LEGACY_FILE,
     decode_file,
@@ -196,10 +196,9 @@ class DurableCheckpoints:
                 f"checkpoint {redact_url(self.config.checkpoint_url)} step {info.step} is "
                 f"{info.layout} (written with fsdp at world size {info.world_size}); resume it "
                 "with --fsdp under torchrun, or start a new run id")
-        expected = self.state.model_keys()
         try:  # a manifest that verifies can still hold what this model cannot take
             sd = join_state(files)
-            check_state_dict_keys(expected, set(sd["model"]))
+            check_state_dict(self.state.model_state(), sd["model"])
             self.state.load_checkpoint_state(sd)
         except Exception as e:
             lines = str(e).strip().splitlines() or [type(e).__name__]

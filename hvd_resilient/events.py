@@ -16,21 +16,25 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-# Keys that must never reach the log, whatever a caller passes.
-_SECRET_HINTS = ("secret", "password", "token", "credential", "access_key", "session_key")
+from hvd_resilient.masking import MASK, is_secret_name, mask_text
 
 
 def _clean(value: Any) -> Any:
+    """JSON-safe (non-finite floats become null) and free of credentials: secret-named keys
+    are masked and every string goes through `masking.mask_text` (a URL's user:password@),
+    whatever a caller passes: the last line of defence before the shared log."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
+    if isinstance(value, str):
+        return mask_text(value)
     if isinstance(value, dict):
-        return {
-            k: ("***" if any(h in str(k).lower() for h in _SECRET_HINTS) else _clean(v))
-            for k, v in value.items()
-        }
+        return {k: (MASK if is_secret_name(str(k)) and v not in (None, "") else _clean(v))
+                for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_clean(v) for v in value]
-    return value
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    return mask_text(str(value))  # what json.dumps(default=str) would write, masked
 
 
 class EventLog:
@@ -98,6 +102,30 @@ def read_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
         for raw in fh:
             if not raw.endswith(b"\n"):
                 break  # a torn last line: the writer died mid-write or is writing now
+            try:
+                rec = json.loads(raw)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and "event" in rec and "ts" in rec:
+                yield rec
+
+
+def read_recent_events(path: str | os.PathLike[str],
+                       max_bytes: int = 1 << 20) -> Iterator[dict[str, Any]]:
+    """Like `read_events`, over the last `max_bytes` of the file only (a long run's log can be
+    large; "did anyone report X since I started" needs only its end)."""
+    try:
+        fh = open(path, "rb")
+    except FileNotFoundError:
+        return
+    with fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size > max_bytes:
+            fh.seek(size - max_bytes)
+            fh.readline()  # most likely a partial line
+        for raw in fh:
+            if not raw.endswith(b"\n"):
+                break
             try:
                 rec = json.loads(raw)
             except ValueError:

@@ -169,8 +169,9 @@ class StateCore:
                 setattr(self, k, v)
         self.resume_rng = sd.get("rng")
 
-    def model_keys(self) -> set[str]:
-        return set(_unwrapped(self.model).state_dict())
+    def model_state(self) -> dict[str, Any]:
+        """The plain model's state dict (what a checkpoint's ``model`` entry must fit)."""
+        return _unwrapped(self.model).state_dict()
 
 
 def _unwrapped(model: Any) -> Any:

@@ -22,6 +22,7 @@ from hvd_resilient.checkpoint import (
     CheckpointManager,
     step_dir,
 )
+from hvd_resilient.checkpoint.manager import CheckpointExistsError
 from hvd_resilient.checkpoint.manifest import ManifestError
 
 MiB = 1 << 20
@@ -88,8 +89,9 @@ def test_save_list_load_roundtrip(url: str) -> None:
 def test_manifest_is_written_last_and_describes_files(tmp_path: Path) -> None:
     mgr = CheckpointManager(str(tmp_path))
     order: list[str] = []
-    real_put = mgr.store.put
+    real_put, real_put_new = mgr.store.put, mgr.store.put_new
     mgr.store.put = lambda key, data: (order.append(key), real_put(key, data))[1]  # type: ignore[method-assign]
+    mgr.store.put_new = lambda key, data: (order.append(key), real_put_new(key, data))[1]  # type: ignore[method-assign]
     mgr.save(3, 0, 1, _files(3))
     assert order[-1] == f"{step_dir(3)}/{MANIFEST_NAME}" and len(order) == 3
     doc = json.loads((tmp_path / step_dir(3) / MANIFEST_NAME).read_text())
@@ -149,12 +151,14 @@ def test_partial_checkpoint_is_invisible(url: str) -> None:
     assert info.step == 5 and files == _files(5)
 
 
-def test_resave_same_step_never_mixes(tmp_path: Path) -> None:
+def test_resave_of_a_published_step_is_refused(tmp_path: Path) -> None:
+    """Write-once (more in test_checkpoint_write_once.py): the old checkpoint stays whole."""
     mgr = CheckpointManager(str(tmp_path))
     mgr.save(4, 0, 1, {"state.pt": b"old" * 10})
-    mgr.save(4, 1, 1, {"state.pt": b"new" * 20})
+    with pytest.raises(CheckpointExistsError, match="step 4"):
+        mgr.save(4, 1, 1, {"state.pt": b"new" * 20})
     info, files = mgr.load_latest()
-    assert info.epoch == 1 and files == {"state.pt": b"new" * 20}
+    assert info.epoch == 0 and files == {"state.pt": b"old" * 10}
 
 
 def test_save_validates_arguments(tmp_path: Path) -> None:

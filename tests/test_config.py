@@ -88,3 +88,39 @@ def test_bad_config_stops_the_example_with_one_line_before_training(tmp_path):
     ]
     assert not (tmp_path / "r").exists(), "nothing may be written before the config is valid"
     assert sys.executable
+
+
+def test_unknown_field_names_the_closest_known_one(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("commit_evry: 3\nepochs: 2\n")
+    with pytest.raises(ConfigError) as e:
+        parse(["--config", str(f)])
+    msg = str(e.value)
+    assert "unknown field commit_evry (did you mean commit_every?)" in msg and "\n" not in msg
+    f.write_text("zzz: 1\n")  # nothing close: no guess, the known fields are listed
+    with pytest.raises(ConfigError, match=r"unknown field zzz; known: batch_size, ") as e:
+        parse(["--config", str(f)])
+    assert "did you mean" not in str(e.value)
+
+
+def test_credentials_in_the_checkpoint_url_are_refused_masked():
+    secret = "s3cr3t-Value/with+slash"
+    for url in (f"s3://AKIAX:{secret}@bucket/x", f"file://u:{secret}@/data/c"):
+        with pytest.raises(ConfigError) as e:
+            parse(["--checkpoint-url", url, "--run-dir", "/tmp/r"])
+        assert "embeds credentials" in str(e.value) and "***@" in str(e.value)
+        assert "s3cr3t" not in str(e.value)
+
+
+def test_config_file_typo_stops_the_example_with_one_line(tmp_path):
+    f = tmp_path / "train.yaml"
+    f.write_text("epochs: 1\nchekpoint_every: 5\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run([PYTHON, str(ROOT / "examples" / "digits.py"), "--config", str(f),
+                        "--run-dir", str(tmp_path / "r")],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == FATAL_EXIT_CODE
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith("hvd-resilient: error: config: unknown field chekpoint_every "
+                           "(did you mean checkpoint_every?)"), line
+    assert not (tmp_path / "r").exists()

@@ -163,7 +163,7 @@ def test_manifest_layout_round_trips_and_old_manifests_are_replicated():
              "shards/__1_0.distcp": FileEntry(5, "c" * 64)}
     info = CheckpointInfo.from_json(new_info(7, 0, 2, files, layout="sharded").to_json())
     assert (info.layout, info.shard_files, info.world_size) == ("sharded", 2, 2)
-    old = new_info(7, 0, 2, {"state.pt": FileEntry(1, "d" * 64)}).to_json().replace(
+    old = new_info(7, 0, 2, {"state.pt": FileEntry(1, "d" * 64)}).to_json(legacy=True).replace(
         b'"layout": "replicated",', b"")
     assert b"layout" not in old and CheckpointInfo.from_json(old).layout == "replicated"
     with pytest.raises(ManifestError, match="layout 'striped'"):

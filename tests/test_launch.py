@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from jobs import PYTHON, ROOT, events, wait_for
 
+from hvd_resilient.errors import FATAL_EXIT_CODE
+
 HVD = str(Path(PYTHON).parent / "hvd-resilient")
 DIGITS = str(ROOT / "examples" / "digits.py")
 
@@ -58,8 +60,12 @@ def test_elastic_dry_run_sets_the_flags_that_matter(tmp_path):
                 "--network-interface", "lo", "--run-dir", str(tmp_path), "--dry-run", "--",
                 "python", "t.py")
     assert plain.returncode == 0, plain.stderr
-    first = plain.stdout.splitlines()[0]
-    assert "horovod_driver" not in first and first.split()[0].endswith("horovodrun")
+    # still our driver (a fatal worker error stops the job, one line instead of a traceback),
+    # told to blacklist whole hosts as plain horovodrun does
+    first, *env_lines = plain.stdout.splitlines()
+    assert "-m hvd_resilient.launch.horovod_driver -np 2" in first
+    assert "HVD_RESILIENT_SLOT_HOSTS=0" in env_lines
+    assert "HVD_RESILIENT_SLOT_HOSTS=0" not in r.stdout
 
 
 def test_standby_runs_in_process_only_what_python_itself_would_run_as_is():
@@ -131,7 +137,7 @@ def test_slot_hosts_split_per_slot_and_map_back_to_the_machine():
 ])
 def test_bad_options_one_line(tmp_path, argv, needle):
     r = cli("run", "--run-dir", str(tmp_path), *argv, "--", "python", "t.py")
-    assert r.returncode == 2
+    assert r.returncode == FATAL_EXIT_CODE
     assert len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr, r.stderr
 
 
@@ -140,7 +146,7 @@ def test_discovery_failing_on_first_call_is_one_line(tmp_path):
     d.write_text("#!/bin/sh\necho 'cannot reach the API server' >&2\nexit 1\n")
     d.chmod(0o755)
     r = cli("run", "--discovery", str(d), "--run-dir", str(tmp_path), "--", "python", "t.py")
-    assert r.returncode == 2
+    assert r.returncode == FATAL_EXIT_CODE
     assert r.stderr.strip() == (f"hvd-resilient: error: discovery script {d} failed on its "
                                 "first call: cannot reach the API server")
 
@@ -148,12 +154,13 @@ def test_discovery_failing_on_first_call_is_one_line(tmp_path):
 def test_unreachable_and_malicious_hosts_stop_before_launch(tmp_path):
     r = cli("run", "--backend", "mpi", "--np", "2", "--hosts", "localhost:1,127.0.0.9:1",
             "--ssh-port", "1", "--run-dir", str(tmp_path), "--", "python", "t.py")
-    assert r.returncode == 2
+    assert r.returncode == FATAL_EXIT_CODE
     assert r.stderr.strip() == (
         "hvd-resilient: error: hosts unreachable over ssh (127.0.0.9: connection refused on "
         "port 1); check they are up and sshd listens on port 1 (--ssh-port)")
     r = cli("run", "--hosts", "a;reboot:2", "--run-dir", str(tmp_path), "--", "python", "t.py")
-    assert r.returncode == 2 and "--hosts:" in r.stderr and "';'" in r.stderr, r.stderr
+    assert r.returncode == FATAL_EXIT_CODE, r.stderr
+    assert "--hosts:" in r.stderr and "';'" in r.stderr, r.stderr
 
 
 def test_missing_bucket_is_one_line_before_launch(tmp_path, s3_server):
@@ -162,7 +169,7 @@ def test_missing_bucket_is_one_line_before_launch(tmp_path, s3_server):
     env = dict(os.environ, **s3_server.env())
     r = cli("run", "--backend", "mpi", "--run-dir", str(tmp_path), "--checkpoint",
             "s3://no-such-bucket/x", "--", "python", DIGITS, env=env)
-    assert r.returncode == 2, r.stderr
+    assert r.returncode == FATAL_EXIT_CODE, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "no-such-bucket" in r.stderr and s3_server.secret_key not in r.stderr
     assert not (tmp_path / "events.jsonl").exists(), "nothing may launch"

@@ -36,8 +36,10 @@ def test_a_fatal_error_is_never_reported_as_success(tmp_path):
     assert reason == "not restarting: checkpoint does not fit"
 
 
-def test_a_fatal_error_with_a_failed_launcher_keeps_its_exit_code(tmp_path):
-    assert supervise(tmp_path, 0, "bad config", 3)[:1] == (3,)
+def test_a_fatal_error_with_a_failed_launcher_exits_with_the_fatal_code(tmp_path):
+    """One exit code means "do not restart" to whatever runs the supervisor (Slurm, k8s)."""
+    assert supervise(tmp_path, 0, "bad config", 1)[:2] == (FATAL_EXIT_CODE,
+                                                            "not restarting: bad config")
 
 
 def test_a_plain_failure_is_restarted_and_success_is_success(tmp_path):

@@ -1,7 +1,10 @@
-"""``hvd-resilient ckpt list|show|verify|prune URL``: look at durable checkpoints.
+"""``hvd-resilient ckpt list|show|verify|prune|supersede URL``: look at and maintain durable
+checkpoints.
 
-Exit codes: 0 fine, 1 ``verify`` found a bad checkpoint, 2 usage or storage error. Errors are
-one line on stderr, never a traceback.
+Exit codes: 0 fine, 1 ``verify`` found a bad checkpoint (or nothing a resume could load), 2
+usage or storage error, including a location without any checkpoint folder (``no checkpoints
+at URL``: a mistyped URL must not pass for an empty, healthy one). Errors are one line on
+stderr, never a traceback, and never show credentials.
 """
 
 from __future__ import annotations
@@ -12,9 +15,14 @@ import sys
 import time
 from typing import TextIO
 
-from hvd_resilient.checkpoint.manager import CheckpointError, CheckpointManager, ScanResult
+from hvd_resilient.checkpoint.manager import (
+    CheckpointError,
+    CheckpointManager,
+    ScanResult,
+    default_supersede_tag,
+)
 from hvd_resilient.checkpoint.manifest import SHARDED, CheckpointInfo, step_dir
-from hvd_resilient.checkpoint.store import StoreError
+from hvd_resilient.checkpoint.store import StoreError, redact_url
 
 HEADER = ("STEP", "EPOCH", "WORLD", "CREATED (UTC)", "SIZE", "FILES", "LAYOUT", "STATE")
 
@@ -55,6 +63,21 @@ def _other_rows(scan: ScanResult) -> list[tuple[int, tuple[str, ...]]]:
     return rows
 
 
+class NoCheckpointsError(CheckpointError):
+    """The location holds no checkpoint folder at all (empty, missing or mistyped)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(f"no checkpoints at {redact_url(url)}")
+
+
+def _scan(mgr: CheckpointManager) -> ScanResult:
+    """The listing, or :class:`NoCheckpointsError` when there is nothing at all."""
+    scan = mgr.scan()
+    if not (scan.checkpoints or scan.partial or scan.invalid):
+        raise NoCheckpointsError(mgr.url)
+    return scan
+
+
 def _pick(scan: ScanResult, step: int | None) -> list[CheckpointInfo]:
     if step is None:
         return scan.checkpoints
@@ -65,20 +88,17 @@ def _pick(scan: ScanResult, step: int | None) -> list[CheckpointInfo]:
 
 
 def _cmd_list(mgr: CheckpointManager, args: argparse.Namespace, out: TextIO) -> int:
-    scan = mgr.scan()
+    scan = _scan(mgr)
     rows = [(i.step, _row(i, "complete (not re-hashed)")) for i in scan.checkpoints]
     rows += _other_rows(scan)
-    if not rows:
-        out.write(f"no checkpoints at {mgr.url}\n")
-        return 0
     _table([r for _, r in sorted(rows)], out)
     return 0
 
 
 def _cmd_show(mgr: CheckpointManager, args: argparse.Namespace, out: TextIO) -> int:
-    scan = mgr.scan()
+    scan = _scan(mgr)
     if not scan.checkpoints:
-        raise CheckpointError(f"no complete checkpoints at {mgr.url}")
+        raise CheckpointError(f"no complete checkpoints at {redact_url(mgr.url)}")
     info = _pick(scan, args.step)[-1]
     out.write(f"url:             {info.url}\n")
     out.write(f"step:            {info.step}\nepoch:           {info.epoch}\n")
@@ -101,27 +121,50 @@ def _cmd_show(mgr: CheckpointManager, args: argparse.Namespace, out: TextIO) -> 
 
 
 def _cmd_verify(mgr: CheckpointManager, args: argparse.Namespace, out: TextIO) -> int:
-    scan = mgr.scan()
+    """Exit 0 only when every complete checkpoint re-hashes fine, no manifest is unreadable
+    and at least one checkpoint is good: exactly the checkpoints a resume would load."""
+    scan = _scan(mgr)
     rows: list[tuple[int, tuple[str, ...]]] = []
     bad = len(scan.invalid) if args.step is None else 0
+    good = 0
     for info in _pick(scan, args.step):
-        problems = mgr.verify(info)
+        problems = mgr.verify(info)  # the same manifest reading and file checks as a resume
         bad += bool(problems)
+        good += not problems
         rows.append((info.step, _row(info, "BAD: " + "; ".join(problems) if problems else "ok")))
     if args.step is None:
         rows += _other_rows(scan)
-    if not rows:
-        out.write(f"no checkpoints at {mgr.url}\n")
-        return 0
     _table([r for _, r in sorted(rows)], out)
-    return 1 if bad else 0
+    if not good:
+        out.write(f"no complete checkpoint at {redact_url(mgr.url)} verifies: a resume would "
+                  "start from scratch\n")
+    return 1 if bad or not good else 0
 
 
 def _cmd_prune(mgr: CheckpointManager, args: argparse.Namespace, out: TextIO) -> int:
+    if args.stale_uploads_after < 0:
+        raise ValueError(f"--stale-uploads-after must be >= 0, got {args.stale_uploads_after}")
+    aborted = mgr.abort_stale_uploads(args.stale_uploads_after, dry_run=args.dry_run)
+    if not mgr.has_checkpoints() and not aborted:
+        raise NoCheckpointsError(mgr.url)
     removed = mgr.prune(dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     names = ", ".join(step_dir(s) for s in removed) or "nothing"
     out.write(f"{verb}: {names}\n")
+    verb = "would abort" if args.dry_run else "aborted"
+    out.write(f"{verb} {aborted} stale upload{'s' * (aborted != 1)} (started more than "
+              f"{args.stale_uploads_after:g}s ago)\n")
+    return 0
+
+
+def _cmd_supersede(mgr: CheckpointManager, args: argparse.Namespace, out: TextIO) -> int:
+    tag = args.tag or default_supersede_tag()
+    moved = mgr.supersede(tag)
+    if not moved:
+        raise NoCheckpointsError(mgr.url)
+    steps = ", ".join(map(str, moved))
+    out.write(f"moved {len(moved)} checkpoint folder{'s' * (len(moved) != 1)} (steps {steps}) "
+              f"from {redact_url(mgr.url)} to {redact_url(mgr.url)}/{tag}\n")
     return 0
 
 
@@ -134,7 +177,10 @@ def _parser() -> argparse.ArgumentParser:
         "list": "table of checkpoints (manifests only, fast)",
         "show": "one checkpoint's manifest (default: the newest)",
         "verify": "re-download and re-hash every file; exit 1 if any is bad",
-        "prune": "apply retention: keep the newest K and every M-th step",
+        "prune": "apply retention: keep the newest K and every M-th step; abort stale "
+                 "uploads",
+        "supersede": "move every checkpoint to URL/TAG/ (kept, out of the way of a fresh "
+                     "start)",
     }
     for name, text in helps.items():
         sp = sub.add_parser(name, help=text, description=text)
@@ -147,10 +193,18 @@ def _parser() -> argparse.ArgumentParser:
             sp.add_argument("--keep-every", type=int, default=0,
                             help="also keep steps divisible by M (0: none)")
             sp.add_argument("--dry-run", action="store_true", help="only print")
+            sp.add_argument("--stale-uploads-after", type=float, default=3600.0,
+                            metavar="SECONDS",
+                            help="abort unfinished uploads (S3 multipart uploads, local "
+                                 "temporary files) started longer ago (default: 3600)")
+        if name == "supersede":
+            sp.add_argument("--tag", help="folder under URL to move them to (default: "
+                                          "superseded-<UTC yyyymmddTHHMMSS>)")
     return p
 
 
-COMMANDS = {"list": _cmd_list, "show": _cmd_show, "verify": _cmd_verify, "prune": _cmd_prune}
+COMMANDS = {"list": _cmd_list, "show": _cmd_show, "verify": _cmd_verify, "prune": _cmd_prune,
+            "supersede": _cmd_supersede}
 
 
 def main(argv: list[str], out: TextIO | None = None, err: TextIO | None = None) -> int:
@@ -171,7 +225,8 @@ def main(argv: list[str], out: TextIO | None = None, err: TextIO | None = None) 
         )
         return COMMANDS[args.command](mgr, args, out)
     except (StoreError, CheckpointError, ValueError) as e:
-        err.write(f"hvd-resilient ckpt {args.command}: error: {' '.join(str(e).split())}\n")
+        text = redact_url(" ".join(str(e).split()))
+        err.write(f"hvd-resilient ckpt {args.command}: error: {text}\n")
         return 2
     except KeyboardInterrupt:
         err.write("hvd-resilient ckpt: interrupted\n")

@@ -3,12 +3,17 @@
 Every write goes to a temporary name in the destination folder, is fsynced, renamed over the
 final name with ``os.replace`` (atomic within one filesystem) and the folder is fsynced, so a
 crash or power loss leaves either the old file or the complete new one, never a torn one.
+:meth:`~CheckpointStore.put_new` (manifests) hard-links the finished temporary file to the
+final name instead: ``link`` fails if the name exists, so of two racing writers exactly one
+creates it (also on NFS, where ``O_EXCL`` was long unreliable but ``link`` is atomic).
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import shutil
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -18,6 +23,7 @@ from hvd_resilient.checkpoint.store import (
     SizeMismatchError,
     StoreConfigError,
     StoreError,
+    StoreExistsError,
     StoreNotFoundError,
     StorePermissionError,
     TransientStoreError,
@@ -43,6 +49,20 @@ def _fsync_dir(path: str) -> None:
 
 def _is_tmp(name: str) -> bool:
     return name.startswith(".") and TMP_MARKER in name
+
+
+def _link_new(tmp: str, path: str) -> None:
+    """Give ``tmp`` the name ``path`` only if ``path`` does not exist (FileExistsError)."""
+    try:
+        os.link(tmp, path)
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK,
+                           errno.ENOSYS):
+            raise
+        # A filesystem without hard links: look, then rename (a window for a racing writer).
+        if os.path.lexists(path):
+            raise FileExistsError(errno.EEXIST, "exists", path) from None
+        os.replace(tmp, path)
 
 
 class FileStore(CheckpointStore):
@@ -103,26 +123,73 @@ class FileStore(CheckpointStore):
             for d in reversed(missing):
                 _fsync_dir(os.path.dirname(d))
 
-    def _put(self, key: str, data: memoryview) -> None:
+    def _tmp(self, key: str) -> tuple[str, str, str]:
+        """(final path, its folder, a fresh temporary path beside it)."""
         path = self._path(key)
         folder, name = os.path.split(path)
-        tmp = os.path.join(folder, f".{name}{TMP_MARKER}{uuid.uuid4().hex[:12]}")
+        return path, folder, os.path.join(folder, f".{name}{TMP_MARKER}{uuid.uuid4().hex[:12]}")
+
+    def _write(self, key: str, fill, publish) -> None:  # type: ignore[no-untyped-def]
+        """Write through a temporary file: ``fill(file)`` writes it, ``publish(tmp, path)``
+        gives it its final name. The temporary file never outlives the call."""
+        path, folder, tmp = self._tmp(key)
         try:
             self._makedirs(folder)
             with open(tmp, "wb") as f:
-                f.write(data)
+                fill(f)
                 f.flush()
                 if self.fsync:
                     os.fsync(f.fileno())
-            os.replace(tmp, path)
+            try:
+                publish(tmp, path)
+            except FileExistsError:
+                raise StoreExistsError(f"{self.url}/{key} already exists") from None
             if self.fsync:
                 _fsync_dir(folder)
         except OSError as e:
+            raise self._err(e, key) from None
+        finally:
             try:
                 os.unlink(tmp)
             except OSError:
                 pass
-            raise self._err(e, key) from None
+
+    def _put(self, key: str, data: memoryview) -> None:
+        self._write(key, lambda f: f.write(data), os.replace)
+
+    def _put_new(self, key: str, data: memoryview) -> None:
+        self._write(key, lambda f: f.write(data), _link_new)
+
+    def _copy(self, src: str, dst: str) -> None:
+        try:
+            source = open(self._path(src), "rb")
+        except IsADirectoryError:
+            raise StoreNotFoundError(f"{self.url}/{src} does not exist") from None
+        except OSError as e:
+            raise self._err(e, src) from None
+        with source:
+            self._write(dst, lambda f: shutil.copyfileobj(source, f, 8 << 20), os.replace)
+
+    def _abort_stale_uploads(self, older_than: float, dry_run: bool) -> int:
+        """Temporary files of writers killed mid-write, older than ``older_than`` seconds."""
+        cutoff = time.time() - older_than
+        found = 0
+        for folder, _, names in os.walk(self.root):
+            for name in names:
+                if not _is_tmp(name):
+                    continue
+                path = os.path.join(folder, name)
+                try:
+                    if older_than > 0 and os.lstat(path).st_mtime > cutoff:
+                        continue
+                    if not dry_run:
+                        os.unlink(path)
+                except FileNotFoundError:  # its writer finished meanwhile
+                    continue
+                except OSError as e:
+                    raise self._err(e, os.path.relpath(path, self.root)) from None
+                found += 1
+        return found
 
     def _get(self, key: str) -> bytes:
         try:

@@ -8,16 +8,27 @@ The invariants this module protects:
 - a store outage is NOT corruption: it propagates instead of silently falling back to an older
   checkpoint (which would lose progress and, after a prune, lose the newer one for good);
 - pruning never removes the newest verified checkpoint, and retracts a manifest before the
-  files it describes, so a concurrent reader never sees a manifest over missing files.
+  files it describes, so a concurrent reader never sees a manifest over missing files;
+- write-once: a published checkpoint (a folder whose manifest reads) is never written again.
+  A save into it fails with :class:`CheckpointExistsError` before any byte is stored, and the
+  manifest itself is created exclusively (``put_new``). Old checkpoints are set aside with
+  :meth:`CheckpointManager.supersede`, never overwritten;
+- one verification: ``ckpt verify``, resume and retention accept exactly the same checkpoints.
+  A manifest is read only through :meth:`CheckpointInfo.from_json` (its own checksum, no
+  duplicate keys, valid file names) and a file is checked only by :meth:`CheckpointManager.
+  check_file` (size and sha256 against the manifest).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
 import mmap
+import re
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,6 +42,7 @@ from hvd_resilient.checkpoint.manifest import (
     CheckpointInfo,
     FileEntry,
     ManifestError,
+    NewerManifestError,
     new_info,
     parse_step_dir,
     step_dir,
@@ -39,8 +51,10 @@ from hvd_resilient.checkpoint.store import (
     Buffer,
     CheckpointStore,
     SizeMismatchError,
+    StoreExistsError,
     StoreNotFoundError,
     open_store,
+    redact_url,
     validate_key,
 )
 
@@ -69,6 +83,45 @@ class CheckpointCorruptError(CheckpointError):
         super().__init__(f"checkpoint {prefix} is corrupt ({reason})")
         self.prefix = prefix
         self.reason = reason
+
+
+class CheckpointExistsError(CheckpointError):
+    """A save into a step whose checkpoint is already published (write-once), raised before
+    any byte of its folder is written; or :meth:`CheckpointManager.supersede` finding another
+    checkpoint where it would move one. ``url`` (without credentials) and ``step`` say which.
+    """
+
+    def __init__(self, url: str, step: int, hint: str = "") -> None:
+        self.url = redact_url(url)
+        self.step = step
+        super().__init__(
+            f"checkpoint {self.url} (step {step}) already exists and is never rewritten"
+            + (f"; {hint}" if hint else "; resume from it, or set the checkpoints aside with "
+               "`hvd-resilient ckpt supersede URL`")
+        )
+
+
+_TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+def default_supersede_tag(now: float | None = None) -> str:
+    """``superseded-<UTC yyyymmddTHHMMSS>``: where :meth:`CheckpointManager.supersede` moves
+    the checkpoints when no tag is given."""
+    return "superseded-" + time.strftime("%Y%m%dT%H%M%S", time.gmtime(now))
+
+
+def validate_tag(tag: str) -> str:
+    """A folder name for :meth:`CheckpointManager.supersede`: letters, digits, ``._-``, one
+    path part, and nothing a listing of checkpoints could take for one (``step-...``).
+
+    Raises:
+        ValueError: otherwise.
+    """
+    if not isinstance(tag, str) or not _TAG.fullmatch(tag) or tag.startswith("step-") \
+            or tag == MANIFEST_NAME:
+        raise ValueError(f"supersede tag {tag!r} must be 1-100 letters, digits, '.', '_' or "
+                         "'-' (starting with a letter or digit, not 'step-')")
+    return tag
 
 
 def emit(on_event: EventFn | None, name: str, fields: dict[str, Any]) -> None:
@@ -165,12 +218,12 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.on_event = on_event
-        # Steps this process has written or fully re-hashed: prune trusts them without
-        # downloading them again.
-        self._verified: set[int] = set()
-        # The highest step folder this process has seen (scan or save); a save above it
-        # cannot be overwriting a checkpoint, which saves one request per save.
-        self._max_seen: int | None = None
+        # Folders (by key) this process has written or fully re-hashed: prune trusts them
+        # without downloading them again.
+        self._verified: set[str] = set()
+        # Steps whose folder this process checked with begin() and is writing now: their
+        # store_files need not look again.
+        self._begun: set[int] = set()
 
     @property
     def url(self) -> str:
@@ -193,11 +246,9 @@ class CheckpointManager:
     ) -> CheckpointInfo:
         """Store ``files`` as the checkpoint of ``step``, manifest last, and return its info.
 
-        Re-saving an existing step first retracts its manifest, so the folder is never a
-        manifest over a mix of old and new files.
-
         Raises:
             ValueError: no files, a bad file name, or a ``meta`` that is not JSON-serializable.
+            CheckpointExistsError: ``step`` is already published (nothing was written).
             StoreError (and subclasses): the store failed; the checkpoint stays invisible.
         """
         if not files:
@@ -214,32 +265,52 @@ class CheckpointManager:
         return self.publish(step, epoch, world_size, entries, run_id=run_id, meta=meta)
 
     def begin(self, step: int) -> str:
-        """Makes ``step`` safe to write and returns its folder's key: a manifest left there by
-        an earlier save is retracted first, so the folder is never a manifest over a mix of
-        old and new files.
+        """Checks that ``step`` may be written and returns its folder's key.
+
+        Write-once: a folder whose manifest reads is published and is never written again. A
+        folder with files but no manifest, or an unreadable one, is a torn earlier attempt:
+        its manifest (if any) is removed so that :meth:`publish` can create the new one.
 
         Raises:
+            CheckpointExistsError: ``step`` is published (or its manifest is of a newer
+                format); nothing was written.
             StoreError: the store failed.
         """
         prefix = step_dir(step)
-        manifest_key = f"{prefix}/{MANIFEST_NAME}"
-        self._verified.discard(step)
-        # One writer per run (rank 0) is the contract, so a step above everything seen
-        # cannot have a manifest yet; otherwise look.
-        if (self._max_seen is None or step <= self._max_seen) and self.store.exists(
-            manifest_key
-        ):
-            self.store.delete([manifest_key])
-        self._max_seen = max(step, self._max_seen or 0)
+        self._refuse_published(step)
+        self._begun.add(step)
+        self._verified.discard(prefix)
         return prefix
+
+    def _refuse_published(self, step: int) -> None:
+        prefix = step_dir(step)
+        found, _ = self.read_manifest(prefix)
+        if isinstance(found, CheckpointInfo):
+            raise CheckpointExistsError(f"{self.url}/{prefix}", step)
+        if isinstance(found, NewerManifestError):
+            raise CheckpointExistsError(f"{self.url}/{prefix}", step,
+                                        "its manifest is of a newer version")
+        if found is not None:
+            logger.warning("%s/%s has an unreadable manifest (%s): a torn attempt, rewritten",
+                           self.url, prefix, found)
+            self.store.delete([f"{prefix}/{MANIFEST_NAME}"])
 
     def store_files(self, prefix: str, files: Mapping[str, Buffer]) -> dict[str, FileEntry]:
         """Stores ``files`` under ``prefix`` (hashing each while it uploads) and returns their
-        manifest entries. No manifest: see :meth:`publish`.
+        manifest entries. No manifest: see :meth:`publish`. Unless this manager's
+        :meth:`begin` checked the folder, it is checked here first (sharded saves: every rank
+        stores its own files).
 
         Raises:
+            ValueError: ``prefix`` is not a checkpoint folder (``step_dir(step)``).
+            CheckpointExistsError: the folder holds a published checkpoint; nothing written.
             StoreError: the store failed.
         """
+        step = parse_step_dir(prefix)
+        if step is None:
+            raise ValueError(f"{prefix!r} is not a checkpoint folder (step-NNNNNNNNNN)")
+        if step not in self._begun:
+            self._refuse_published(step)
         entries: dict[str, FileEntry] = {}
         with ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash") as hasher:
             for name, data in files.items():
@@ -261,9 +332,11 @@ class CheckpointManager:
     ) -> CheckpointInfo:
         """Writes the manifest of files already stored under :meth:`begin`'s folder: the last
         write, from which the checkpoint exists. Sharded saves use it directly, since every
-        rank stores its own files and only rank 0 knows them all.
+        rank stores its own files and only rank 0 knows them all. The manifest is created,
+        never replaced (``put_new``): of two writers racing for one step only one publishes.
 
         Raises:
+            CheckpointExistsError: a manifest appeared there meanwhile (another writer).
             StoreError: the store failed; the checkpoint stays invisible.
         """
         prefix = step_dir(step)
@@ -271,41 +344,66 @@ class CheckpointManager:
             step, epoch, world_size, dict(entries), run_id=run_id, meta=meta,
             prefix=prefix, url=f"{self.url}/{prefix}", layout=layout,
         )
-        self.store.put(f"{prefix}/{MANIFEST_NAME}", info.to_json())
-        self._verified.add(step)
+        try:
+            self.store.put_new(f"{prefix}/{MANIFEST_NAME}", info.to_json())
+        except StoreExistsError:
+            raise CheckpointExistsError(f"{self.url}/{prefix}", step,
+                                        "another writer published it meanwhile") from None
+        finally:
+            self._begun.discard(step)
+        self._verified.add(prefix)
         logger.info("saved checkpoint %s (%d bytes)", info.url, info.total_bytes)
         return info
 
     # ---- find -----------------------------------------------------------------------------
 
     def _folders(self) -> dict[int, list[str]]:
-        """One listing of the store: step -> the keys of its folder."""
+        """One listing of the store: step -> the keys of its folder. Only top-level
+        ``step-...`` folders count: what :meth:`supersede` moved below a tag is ignored."""
         by_step: dict[int, list[str]] = {}
         for key in self.store.list("step-"):
             folder, _, rest = key.partition("/")
             step = parse_step_dir(folder)
             if step is not None and rest:
                 by_step.setdefault(step, []).append(key)
-        if by_step:
-            self._max_seen = max(max(by_step), self._max_seen or 0)
-        elif self._max_seen is None:
-            self._max_seen = -1  # an empty location: nothing to overwrite yet
         return by_step
+
+    def has_checkpoints(self) -> bool:
+        """Whether any checkpoint folder exists here, published or torn (what a fresh start
+        would collide with).
+
+        Raises:
+            StoreError: the store failed (never treated as "none").
+        """
+        return bool(self._folders())
+
+    def read_manifest(
+        self, prefix: str
+    ) -> tuple[CheckpointInfo | ManifestError | None, bytes | None]:
+        """The manifest of the folder ``prefix`` (``step-...`` or ``TAG/step-...``), read and
+        validated the one way every reader does: ``(info, raw)``, ``(ManifestError, raw)``
+        when it does not read, ``(None, None)`` when there is none.
+
+        Raises:
+            StoreError: the store failed (other than a missing manifest).
+        """
+        try:
+            raw = bytes(self.store.get(f"{prefix}/{MANIFEST_NAME}"))
+        except StoreNotFoundError:
+            return None, None
+        try:
+            return CheckpointInfo.from_json(raw, prefix=prefix, url=f"{self.url}/{prefix}"), raw
+        except ManifestError as e:
+            return e, raw
 
     def _manifest(self, step: int, keys: list[str]) -> CheckpointInfo | str | None:
         """The folder's checkpoint, the reason its manifest is unreadable, or None (no
         manifest: partial, or pruned since the listing)."""
         prefix = step_dir(step)
-        manifest_key = f"{prefix}/{MANIFEST_NAME}"
-        if manifest_key not in keys:
+        if f"{prefix}/{MANIFEST_NAME}" not in keys:
             return None
-        try:
-            raw = self.store.get(manifest_key)
-            return CheckpointInfo.from_json(raw, prefix=prefix, url=f"{self.url}/{prefix}")
-        except StoreNotFoundError:  # pruned between list and get
-            return None
-        except ManifestError as e:
-            return str(e)
+        found, _ = self.read_manifest(prefix)
+        return str(found) if isinstance(found, ManifestError) else found
 
     def scan(self) -> ScanResult:
         """List the store and sort its step folders into complete, partial and invalid.
@@ -339,22 +437,29 @@ class CheckpointManager:
 
     # ---- verify / load --------------------------------------------------------------------
 
-    def _read(
-        self, info: CheckpointInfo, name: str, entry: FileEntry, buffers: _Buffers | None = None
+    def check_file(
+        self, info: CheckpointInfo, name: str, buffers: _Buffers | None = None
     ) -> tuple[Buffer | None, str]:
-        """Fetch one file (into a reused buffer when ``buffers``) and check it; returns
-        (data, "") or (None, problem)."""
+        """Fetch file ``name`` of ``info`` and check its size and sha256 against the
+        manifest: ``(data, "")``, or ``(None, problem)`` such as ``"state.pt sha256
+        mismatch"``. The one check of a file behind :meth:`verify`, :meth:`load` and sharded
+        loads; ``buffers`` (internal) reuses download memory.
+
+        Raises:
+            StoreError: the store failed (an outage is not corruption).
+        """
+        entry = info.files[name]
         out = None if buffers is None else buffers.take(entry.size)
         try:
             data, digest = self.store.get_hashed(info.key(name), entry.size, out)
         except StoreNotFoundError:
-            problem = f"{name} missing"
+            problem = file_problem(name, entry, missing=True)
         except SizeMismatchError:
-            problem = f"{name} size differs from the manifest's {entry.size} bytes"
+            problem = file_problem(name, entry, size=-1)
         else:
-            if digest == entry.sha256:
+            problem = file_problem(name, entry, sha256=digest)
+            if not problem:
                 return data, ""
-            problem = f"{name} sha256 mismatch"
         if out is not None and buffers is not None:
             buffers.give(out)
         return None, problem
@@ -379,8 +484,7 @@ class CheckpointManager:
         try:
             while True:
                 while len(ahead) <= READ_AHEAD and (name := next(names, None)) is not None:
-                    ahead.append((name, pool.submit(
-                        self._read, info, name, info.files[name], buffers)))
+                    ahead.append((name, pool.submit(self.check_file, info, name, buffers)))
                 if not ahead:
                     return
                 name, fut = ahead.popleft()
@@ -402,7 +506,7 @@ class CheckpointManager:
         """
         problems = [problem for _, _, problem in self._read_all(info, reuse=True) if problem]
         if not problems:
-            self._verified.add(info.step)
+            self._verified.add(info.prefix)
         return problems
 
     def load(self, info: CheckpointInfo, decode: Decode | None = None) -> dict[str, Any]:
@@ -430,7 +534,7 @@ class CheckpointManager:
             if out[name] is data:
                 kept.add(name)
             del data  # a decoded file's bytes are garbage now, not at the end of the loop
-        self._verified.add(info.step)
+        self._verified.add(info.prefix)
         return out
 
     def load_latest(
@@ -471,9 +575,23 @@ class CheckpointManager:
 
     def _newest_verified(self, checkpoints: list[CheckpointInfo]) -> int | None:
         for info in reversed(checkpoints):
-            if info.step in self._verified or not self.verify(info):
+            if info.prefix in self._verified or not self.verify(info):
                 return info.step
         return None
+
+    def abort_stale_uploads(self, older_than: float = 3600.0, dry_run: bool = False) -> int:
+        """Remove what writes killed midway left below the URL (S3: multipart uploads, billed
+        until aborted; local disk: temporary files) if older than ``older_than`` seconds;
+        return how many (would be) removed.
+
+        Raises:
+            ValueError: ``older_than`` < 0.
+            StoreError: the store failed.
+        """
+        n = self.store.abort_stale_uploads(older_than, dry_run=dry_run)
+        if n and not dry_run:
+            logger.info("aborted %d stale uploads below %s", n, self.url)
+        return n
 
     def prune(self, dry_run: bool = False) -> list[int]:
         """Apply retention; return the steps of the folders removed (or that would be).
@@ -512,5 +630,118 @@ class CheckpointManager:
         return removed
 
     def _delete_folder(self, step: int) -> None:
-        self._verified.discard(step)
+        self._verified.discard(step_dir(step))
         self.store.delete(self.store.list(step_dir(step) + "/"))
+
+    # ---- supersede ------------------------------------------------------------------------
+
+    def supersede(self, tag: str) -> list[int]:
+        """Move every checkpoint folder here (published or torn) to ``<url>/<tag>/step-...``
+        and return their steps: kept, but out of the way of a run that starts over. A
+        :class:`CheckpointManager` opened at ``<url>/<tag>`` loads the moved checkpoints;
+        listings of ``<url>`` no longer see them.
+
+        Per folder: copy every file, check the copy against the manifest (a published one),
+        create the copy's manifest last, then delete the original's manifest first and its
+        files after. Safe to re-run after a crash at any point: a copy that is already
+        published is checked and the original's remains removed, nothing is ever copied over
+        a published checkpoint. No job may write to ``<url>`` meanwhile.
+
+        Raises:
+            ValueError: a bad ``tag`` (see :func:`validate_tag`).
+            CheckpointExistsError: ``<url>/<tag>`` already holds another checkpoint of a
+                step being moved (choose another tag); that folder stays where it was.
+            CheckpointError: a copy does not match its original (the original is kept).
+            StoreError: the store failed; re-run to finish.
+        """
+        validate_tag(tag)
+        moved = []
+        for step, keys in sorted(self._folders().items()):
+            self._move(step, keys, tag)
+            moved.append(step)
+        if moved:
+            logger.info("moved checkpoints at steps %s from %s to %s/%s", moved, self.url,
+                        self.url, tag)
+        return moved
+
+    def _digest(self, key: str) -> str:
+        return sha256_hex(self.store.get(key))
+
+    def _move(self, step: int, keys: list[str], tag: str) -> None:
+        src = step_dir(step)
+        dst = f"{tag}/{src}"
+        src_info, src_raw = self.read_manifest(src)
+        dst_info, dst_raw = self.read_manifest(dst)
+        manifest = f"{src}/{MANIFEST_NAME}"
+        names = sorted(k[len(src) + 1:] for k in keys if k != manifest)
+        published = isinstance(src_info, CheckpointInfo)
+        taken = CheckpointExistsError(f"{self.url}/{dst}", step,
+                                      f"it is not a copy of {self.url}/{src}: choose another tag")
+        if isinstance(dst_info, CheckpointInfo | NewerManifestError):
+            # The copy is published: an earlier, interrupted run got this far (its manifest
+            # was created only once every file had been checked), or the tag already holds
+            # another checkpoint of this step, and then nothing here may be deleted.
+            if published and src_raw != dst_raw:
+                raise taken
+            if not published:  # the original's manifest went first: its remains must be
+                for name in names:  # exactly the copy's files
+                    try:
+                        same = self._digest(f"{dst}/{name}") == self._digest(f"{src}/{name}")
+                    except StoreNotFoundError:
+                        same = False
+                    if not same:
+                        raise taken
+        else:
+            if published and dst_raw is not None:  # unreadable: a torn copy, replaced below
+                self.store.delete([f"{dst}/{MANIFEST_NAME}"])
+            for name in names:
+                self.store.copy(f"{src}/{name}", f"{dst}/{name}")
+            if published:
+                assert isinstance(src_info, CheckpointInfo) and src_raw is not None
+                self._check_copy(src_info, dataclasses.replace(
+                    src_info, prefix=dst, url=f"{self.url}/{dst}"))
+                try:
+                    self.store.put_new(f"{dst}/{MANIFEST_NAME}", src_raw)
+                except StoreExistsError:
+                    raise taken from None
+            else:
+                for name in names:
+                    if self._digest(f"{dst}/{name}") != self._digest(f"{src}/{name}"):
+                        raise CheckpointError(f"the copy of {self.url}/{src}/{name} at "
+                                              f"{self.url}/{dst} differs; the original is kept")
+                if src_raw is not None:  # an unreadable manifest: moved as it is
+                    self.store.put(f"{dst}/{MANIFEST_NAME}", src_raw)
+        # Manifest first: from here the original no longer exists for readers.
+        self.store.delete([manifest])
+        self._delete_folder(step)
+
+    def _check_copy(self, src: CheckpointInfo, dst: CheckpointInfo) -> None:
+        """Every file of the copy ``dst`` matches the manifest, or is byte-for-byte the
+        original where the original itself no longer does (a rotten checkpoint stays as
+        rotten as it was, and is skipped on load as before)."""
+        for name in sorted(src.files):
+            _, problem = self.check_file(dst, name)
+            if not problem:
+                continue
+            try:
+                same = self._digest(dst.key(name)) == self._digest(src.key(name))
+            except StoreNotFoundError:
+                same = False
+            if not same:
+                raise CheckpointError(f"the copy of {src.url} at {dst.url} does not verify "
+                                      f"({problem}); the original is kept")
+            logger.warning("%s was already damaged (%s); moved as it is", src.url, problem)
+
+
+def file_problem(name: str, entry: FileEntry, *, missing: bool = False, size: int | None = None,
+                 sha256: str | None = None) -> str:
+    """What is wrong with file ``name`` against its manifest ``entry``, "" if nothing: the
+    wording every verification reports (``state.pt missing``, ``... size differs from the
+    manifest's N bytes``, ``... sha256 mismatch``). ``size`` -1: it differed (not known)."""
+    if missing:
+        return f"{name} missing"
+    if size is not None and size != entry.size:
+        return f"{name} size differs from the manifest's {entry.size} bytes"
+    if sha256 is not None and sha256 != entry.sha256:
+        return f"{name} sha256 mismatch"
+    return ""

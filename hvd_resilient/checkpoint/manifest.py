@@ -5,6 +5,13 @@ manifest holds every file's size and sha256, so a checkpoint whose upload died h
 manifest) does not exist, and one whose bytes rotted afterwards (checksum mismatch) is
 detected before it is loaded.
 
+The manifest checks itself too: ``manifest_sha256`` is the sha256 of the manifest's own bytes
+with that value replaced by 64 zeros, so ANY change of a byte (a flipped bit included) is
+refused on every read, and a duplicated key is refused by the parser (JSON would keep the last
+one). Manifests of format ``/1`` (written before the field existed) carry no such checksum and
+still load; a new manifest is format ``/2``, two bits away from ``/1``, so no single flip turns
+it into an old one that skips the check.
+
 Two layouts share this manifest: ``replicated`` (rank 0 wrote the whole state)
 and ``sharded`` (FSDP: every rank wrote its own shard files under ``shards/`` with
 ``torch.distributed.checkpoint``, rank 0 the small ``run_state.pt`` of counters and sampler).
@@ -14,6 +21,7 @@ Manifests from before the field existed are replicated.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import re
 import time
@@ -21,8 +29,15 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
+from hvd_resilient.checkpoint.store import validate_key
+
 MANIFEST_NAME = "manifest.json"
-FORMAT = "hvd_resilient.checkpoint/1"
+FORMAT = "hvd_resilient.checkpoint/2"
+"""Manifests written now: they carry :data:`CHECKSUM_FIELD`."""
+LEGACY_FORMAT = "hvd_resilient.checkpoint/1"
+"""Manifests written before the self-checksum existed; still read (without that check)."""
+CHECKSUM_FIELD = "manifest_sha256"
+_ZEROS = "0" * 64
 REPLICATED, SHARDED = "replicated", "sharded"
 LAYOUTS = (REPLICATED, SHARDED)
 SHARD_DIR = "shards/"
@@ -32,6 +47,11 @@ _STEP_DIR = re.compile(r"^step-(\d{10,})$")
 
 class ManifestError(ValueError):
     """A manifest that cannot be parsed or is inconsistent; its checkpoint does not exist."""
+
+
+class NewerManifestError(ManifestError):
+    """A manifest of a format newer than this version reads: not loaded, and never
+    overwritten either (it may be a good checkpoint of a newer version)."""
 
 
 def step_dir(step: int) -> str:
@@ -110,9 +130,14 @@ class CheckpointInfo:
         """The store key of file ``name`` of this checkpoint."""
         return f"{self.prefix}/{name}"
 
-    def to_json(self) -> bytes:
-        doc = {
-            "format": FORMAT,
+    def to_json(self, *, legacy: bool = False) -> bytes:
+        """The manifest's bytes: format ``/2`` with its own checksum (see the module doc).
+
+        ``legacy=True`` writes what versions before the checksum wrote (format ``/1``, no
+        checksum): for tests and for tools that must feed an older reader.
+        """
+        doc: dict[str, Any] = {
+            "format": LEGACY_FORMAT if legacy else FORMAT,
             "layout": self.layout,
             "step": self.step,
             "epoch": self.epoch,
@@ -124,27 +149,49 @@ class CheckpointInfo:
             "files": {k: dataclasses.asdict(v) for k, v in sorted(self.files.items())},
             "meta": self.meta,
         }
-        return (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
+        if legacy:
+            return _dumps(doc)
+        doc[CHECKSUM_FIELD] = _ZEROS
+        blank = _dumps(doc)
+        digest = hashlib.sha256(blank).hexdigest()
+        old, new = _checksum_item(_ZEROS), _checksum_item(digest)
+        if blank.count(old) != 1:  # pragma: no cover - a file digest of 64 zeros
+            raise ManifestError("cannot place the manifest checksum")
+        return blank.replace(old, new)
 
     @classmethod
     def from_json(
         cls, data: bytes | bytearray, *, prefix: str = "", url: str = ""
     ) -> CheckpointInfo:
-        """Parse and validate a manifest.
+        """Parse and validate a manifest: the one reading that listing, ``ckpt verify``,
+        resume and retention all go through.
 
         Raises:
-            ManifestError: not JSON, wrong format, missing or ill-typed fields, or a step that
-                disagrees with the folder name in ``prefix``.
+            ManifestError: not UTF-8 JSON, a duplicated key, an unknown format, a checksum
+                that does not match the bytes (format ``/2``, or any manifest carrying one),
+                missing or ill-typed fields, or a step that disagrees with the folder name in
+                ``prefix``.
         """
+        raw = bytes(data)
         try:
-            doc = json.loads(bytes(data).decode("utf-8"))
+            doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ManifestError(f"manifest is not valid JSON ({e.msg})") from None
-        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-            raise ManifestError(f"manifest format is not {FORMAT!r}")
+            raise ManifestError(f"manifest is not valid JSON ({getattr(e, 'msg', e)})") from None
+        except _BadJSONError as e:
+            raise ManifestError(f"manifest {e}") from None
+        fmt = doc.get("format") if isinstance(doc, dict) else None
+        newer = re.fullmatch(r"hvd_resilient\.checkpoint/([1-9][0-9]{0,5})", str(fmt))
+        if newer and int(newer.group(1)) > 2:
+            raise NewerManifestError(f"manifest format {fmt!r} is newer than this version "
+                                     f"reads ({FORMAT!r}); upgrade hvd_resilient")
+        if fmt not in (FORMAT, LEGACY_FORMAT):
+            raise ManifestError(f"manifest format is not {FORMAT!r} (nor the older "
+                                f"{LEGACY_FORMAT!r})")
+        if doc["format"] == FORMAT or CHECKSUM_FIELD in doc:
+            _check_checksum(raw, doc.get(CHECKSUM_FIELD))
         try:
             files = {
-                str(name): FileEntry(size=_int(f["size"]), sha256=_sha(f["sha256"]))
+                _name(name): FileEntry(size=_int(f["size"]), sha256=_sha(f["sha256"]))
                 for name, f in doc["files"].items()
             }
             info = cls(
@@ -170,6 +217,47 @@ class CheckpointInfo:
         if prefix and parse_step_dir(folder) != info.step:
             raise ManifestError(f"manifest says step {info.step} but lives in {folder!r}")
         return info
+
+
+def _dumps(doc: dict[str, Any]) -> bytes:
+    return (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
+
+
+def _checksum_item(value: str) -> bytes:
+    """How the checksum field appears in the manifest's bytes (``_dumps``' separators)."""
+    return f'"{CHECKSUM_FIELD}": "{value}"'.encode()
+
+
+def _check_checksum(raw: bytes, value: Any) -> None:
+    if not isinstance(value, str) or not re.fullmatch(r"[0-9a-f]{64}", value):
+        raise ManifestError(f"manifest lacks a valid {CHECKSUM_FIELD}")
+    item = _checksum_item(value)
+    if raw.count(item) != 1:
+        raise ManifestError(f"manifest {CHECKSUM_FIELD} is not where it is written")
+    if hashlib.sha256(raw.replace(item, _checksum_item(_ZEROS))).hexdigest() != value:
+        raise ManifestError("manifest checksum mismatch (its bytes changed after writing)")
+
+
+class _BadJSONError(Exception):
+    """JSON that parses but is no manifest: its message completes "manifest ..."."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook``: a repeated key is an error, not "the last one wins"."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _BadJSONError(f"repeats the key {k!r}")
+        out[k] = v
+    return out
+
+
+
+def _name(v: Any) -> str:
+    """A file name of the checkpoint: a store key inside its folder, not the manifest."""
+    if v == MANIFEST_NAME:
+        raise ValueError(f"the manifest lists itself ({MANIFEST_NAME!r})")
+    return validate_key(v)
 
 
 def _int(v: Any) -> int:

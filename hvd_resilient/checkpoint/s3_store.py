@@ -5,13 +5,23 @@ GETs into one preallocated buffer, so a checkpoint of a few GB uses the link ins
 TCP stream. The endpoint and credentials come from the standard AWS chain
 (``AWS_ENDPOINT_URL``, ``AWS_PROFILE``, ``AWS_ACCESS_KEY_ID``, instance roles) unless given
 explicitly; no credential ever appears in a message, a log line or ``repr``.
+
+A multipart upload that does not complete is aborted (an incomplete one stays invisible but
+billed): when a part or the completion fails, when the store is closed, and when the process
+exits while one is still running (the writer thread abandoned: the abort runs before the
+interpreter waits for the part threads). A process killed outright aborts nothing; ``hvd-resilient
+ckpt prune`` aborts what such processes left (:meth:`CheckpointStore.abort_stale_uploads`).
 """
 
 from __future__ import annotations
 
+import atexit
+import datetime
+import email.utils
 import logging
 import re
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
@@ -22,6 +32,7 @@ from hvd_resilient.checkpoint.store import (
     SizeMismatchError,
     StoreConfigError,
     StoreError,
+    StoreExistsError,
     StoreNotFoundError,
     StorePermissionError,
     TransientStoreError,
@@ -56,6 +67,41 @@ _TRANSIENT_CODES = {
     "OperationAborted",
 }
 _CONTENT_RANGE = re.compile(r"bytes \d+-\d+/(\d+)")
+#: copy_object's limit; larger objects are copied in parts (upload_part_copy).
+_COPY_LIMIT = 5 << 30
+
+#: Stores with multipart uploads in flight, for the abort at process exit.
+_LIVE: weakref.WeakSet[S3Store] = weakref.WeakSet()
+_exit = {"hooked": False, "exiting": False}
+_exit_lock = threading.Lock()
+
+
+def _abort_at_exit() -> None:
+    """Abort every multipart upload still running in this process (its thread abandoned)."""
+    with _exit_lock:
+        _exit["exiting"] = True
+        stores = list(_LIVE)
+    for store in stores:
+        store.abort_inflight("the process is exiting")
+
+
+def _hook_exit() -> None:
+    """Run :func:`_abort_at_exit` at interpreter exit, BEFORE the thread pools are joined
+    (``threading._register_atexit``, whose hooks run newest first, so ahead of the one
+    ``concurrent.futures`` registered on import): a part stuck on a dead link would
+    otherwise hold the exit until its timeout, and the upload would outlive the process."""
+    with _exit_lock:
+        if _exit["hooked"]:
+            return
+        _exit["hooked"] = True
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        try:
+            register(_abort_at_exit)
+            return
+        except RuntimeError:  # already shutting down: the next best place
+            pass
+    atexit.register(_abort_at_exit)
 
 
 def _import_boto3() -> Any:
@@ -67,6 +113,17 @@ def _import_boto3() -> Any:
             "s3:// checkpoints need boto3, which is not installed: pip install boto3"
         ) from None
     return boto3
+
+
+def _server_time(resp: dict[str, Any]) -> datetime.datetime:
+    """The time by the server's clock (its ``Date`` header), else by ours."""
+    date = (resp.get("ResponseMetadata", {}).get("HTTPHeaders", {}) or {}).get("date")
+    if date:
+        try:
+            return email.utils.parsedate_to_datetime(date)
+        except (TypeError, ValueError):
+            pass
+    return datetime.datetime.now(datetime.timezone.utc)
 
 
 class _InOrder:
@@ -164,6 +221,9 @@ class S3Store(CheckpointStore):
             self._sse_args["SSEKMSKeyId"] = sse_kms_key_id
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
+        # Multipart uploads in flight: upload id -> (store key, full key).
+        self._inflight: dict[str, tuple[str, str]] = {}
+        self._conditional_put = True  # If-None-Match: *, until the server says it cannot
 
         boto3 = _import_boto3()
         import botocore.config
@@ -280,6 +340,8 @@ class S3Store(CheckpointStore):
         )
 
     def close(self) -> None:
+        """Abort the multipart uploads still running, then stop the part threads."""
+        self.abort_inflight("the store is closing")
         with self._pool_lock:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
@@ -296,12 +358,8 @@ class S3Store(CheckpointStore):
                 Bucket=self.bucket, Key=full, Body=bytes(data), **self._sse_args,
             )
             return
-        upload_id = self._call(
-            "put", key, self.client.create_multipart_upload,
-            Bucket=self.bucket, Key=full, **self._sse_args,
-        )["UploadId"]
 
-        def part(number: int, a: int, b: int) -> dict[str, Any]:
+        def part(upload_id: str, number: int, a: int, b: int) -> dict[str, Any]:
             resp = self._call(
                 "put", key, self.client.upload_part,
                 Bucket=self.bucket, Key=full, UploadId=upload_id, PartNumber=number,
@@ -309,26 +367,142 @@ class S3Store(CheckpointStore):
             )
             return {"PartNumber": number, "ETag": resp["ETag"]}
 
+        self._multipart(key, lambda upload_id: [
+            lambda n=n, a=a, b=b: part(upload_id, n, a, b)
+            for n, (a, b) in enumerate(self._ranges(0, len(data)), start=1)])
+
+    def _multipart(
+        self, key: str, parts: Callable[[str], list[Callable[[], dict[str, Any]]]]
+    ) -> None:
+        """One multipart upload to ``key``: ``parts(upload_id)`` makes the part calls, run in
+        parallel; any failure, or an exit of the process meanwhile, aborts the upload."""
+        full = self._key(key)
+        with _exit_lock:
+            if _exit["exiting"]:
+                raise StoreError(f"put {self.url}/{key}: the process is exiting")
+            _LIVE.add(self)
+        _hook_exit()
+        upload_id = self._call(
+            "put", key, self.client.create_multipart_upload,
+            Bucket=self.bucket, Key=full, **self._sse_args,
+        )["UploadId"]
+        with self._pool_lock:
+            self._inflight[upload_id] = (key, full)
         try:
-            parts = self._run_parallel(
-                [lambda n=n, a=a, b=b: part(n, a, b)
-                 for n, (a, b) in enumerate(self._ranges(0, len(data)), start=1)]
-            )
+            done = self._run_parallel(parts(upload_id))
             self._call(
                 "put", key, self.client.complete_multipart_upload,
                 Bucket=self.bucket, Key=full, UploadId=upload_id,
-                MultipartUpload={"Parts": parts},
+                MultipartUpload={"Parts": done},
             )
         except BaseException:
-            # An abandoned multipart upload is invisible but billed; abort it best-effort.
-            try:
-                self.client.abort_multipart_upload(
-                    Bucket=self.bucket, Key=full, UploadId=upload_id
-                )
-            except Exception as e:  # the server may be the thing that just failed
-                logger.debug("abort of multipart upload of %s/%s failed: %s",
-                             self.url, key, type(e).__name__)
+            # An abandoned multipart upload is invisible but billed: abort it.
+            self._abort(upload_id, key, full)
             raise
+        finally:
+            with self._pool_lock:
+                self._inflight.pop(upload_id, None)
+
+    def _abort(self, upload_id: str, key: str, full: str) -> bool:
+        """Abort one multipart upload, best effort; whether the server confirmed it."""
+        try:
+            self.client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id)
+            return True
+        except Exception as e:  # the server may be the thing that just failed
+            logger.debug("abort of multipart upload of %s/%s failed: %s",
+                         self.url, key, type(e).__name__)
+            return False
+
+    def abort_inflight(self, why: str) -> int:
+        """Abort the multipart uploads this store is running now (their parts then fail);
+        return how many were aborted."""
+        with self._pool_lock:
+            running = list(self._inflight.items())
+        n = 0
+        for upload_id, (key, full) in running:
+            if self._abort(upload_id, key, full):
+                n += 1
+                logger.warning("aborted the unfinished upload of %s/%s: %s", self.url, key, why)
+        return n
+
+    def _put_new(self, key: str, data: memoryview) -> None:
+        # Look first: a store that ignores If-None-Match must still not overwrite what was
+        # there before this call (a race with another writer stays possible on such stores).
+        if self._exists(key):
+            raise StoreExistsError(f"{self.url}/{key} already exists")
+        if self._conditional_put:
+            try:
+                self.client.put_object(Bucket=self.bucket, Key=self._key(key),
+                                       Body=bytes(data), IfNoneMatch="*", **self._sse_args)
+                return
+            except self._bexc.ClientError as e:
+                code = str(e.response.get("Error", {}).get("Code", ""))
+                status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+                             or 0)
+                if code == "PreconditionFailed" or status == 412:
+                    raise StoreExistsError(f"{self.url}/{key} already exists") from None
+                if code == "ConditionalRequestConflict" or status == 409:
+                    raise TransientStoreError(
+                        f"put {self.url}/{key}: a concurrent conditional write") from None
+                if code != "NotImplemented" and status != 501:
+                    raise self._error(e, "put", key) from None
+                self._conditional_put = False
+                logger.warning("%s does not support conditional puts (If-None-Match); "
+                               "manifests are created by look-then-put", self.endpoint)
+            except self._bexc.BotoCoreError as e:
+                raise self._error(e, "put", key) from None
+        self._put(key, data)
+
+    def _copy(self, src: str, dst: str) -> None:
+        head = self._call("copy", src, self.client.head_object,
+                          Bucket=self.bucket, Key=self._key(src))
+        size = int(head.get("ContentLength", 0))
+        source = {"Bucket": self.bucket, "Key": self._key(src)}
+        if size <= _COPY_LIMIT:  # one request; the server copies
+            self._call("copy", src, self.client.copy_object, Bucket=self.bucket,
+                       Key=self._key(dst), CopySource=source, **self._sse_args)
+            return
+
+        def part(upload_id: str, number: int, a: int, b: int) -> dict[str, Any]:
+            resp = self._call(
+                "copy", src, self.client.upload_part_copy,
+                Bucket=self.bucket, Key=self._key(dst), UploadId=upload_id, PartNumber=number,
+                CopySource=source, CopySourceRange=f"bytes={a}-{b - 1}",
+            )
+            return {"PartNumber": number, "ETag": resp["CopyPartResult"]["ETag"]}
+
+        step = max(self.part_size, -(-size // 10_000))  # S3 allows 10,000 parts
+        spans = [(a, min(a + step, size)) for a in range(0, size, step)]
+        self._multipart(dst, lambda upload_id: [
+            lambda n=n, a=a, b=b: part(upload_id, n, a, b)
+            for n, (a, b) in enumerate(spans, start=1)])
+
+    def _abort_stale_uploads(self, older_than: float, dry_run: bool) -> int:
+        """Multipart uploads below the prefix started more than ``older_than`` seconds ago by
+        the server's clock (its ``Date`` header), so a skewed local clock cannot make a
+        running upload look stale."""
+        prefix = self._key("")
+        with self._pool_lock:
+            mine = set(self._inflight)
+        found = 0
+        paginator = self.client.get_paginator("list_multipart_uploads")
+        try:
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+                now = _server_time(page)
+                for up in page.get("Uploads", []) or []:
+                    started = up.get("Initiated")
+                    if up.get("UploadId") in mine or not isinstance(started, datetime.datetime):
+                        continue
+                    if started.tzinfo is None:
+                        started = started.replace(tzinfo=datetime.timezone.utc)
+                    if older_than > 0 and (now - started).total_seconds() < older_than:
+                        continue
+                    key = str(up["Key"])[len(prefix):]
+                    if dry_run or self._abort(str(up["UploadId"]), key, str(up["Key"])):
+                        found += 1
+        except (self._bexc.BotoCoreError, self._bexc.ClientError) as e:
+            raise self._error(e, "list uploads", "") from None
+        return found
 
     # ---- download -------------------------------------------------------------------------
 

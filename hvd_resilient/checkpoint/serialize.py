@@ -11,14 +11,14 @@ from __future__ import annotations
 import copy
 import io
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, NamedTuple, TypeVar
 
 T = TypeVar("T")
 
 
 class CheckpointMismatchError(ValueError):
-    """The checkpoint's keys do not match what the model/optimizer expects."""
+    """The checkpoint does not fit the model: other names, shapes or dtypes. One line."""
 
 
 def to_buffer(obj: Any) -> memoryview:
@@ -149,33 +149,85 @@ def alias_key(t: Any) -> Any:
         return id(t)
 
 
-def _clip(keys: list[str], limit: int) -> str:
-    shown = ", ".join(keys[:limit])
-    return f"{shown}, ... and {len(keys) - limit} more" if len(keys) > limit else shown
+class TensorSpec(NamedTuple):
+    """What a checkpoint says about a tensor without holding it: its full shape and dtype
+    (from DCP metadata, say). :func:`check_state_dict` takes these and real tensors alike."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+
+
+def _spec(v: Any) -> tuple[list[int], str] | None:
+    """(full shape, dtype name) of a tensor-like value (a tensor, a DTensor: its global
+    shape, a :class:`TensorSpec`), ``None`` for anything else (extra state, numbers)."""
+    shape, dtype = getattr(v, "shape", None), getattr(v, "dtype", None)
+    if shape is None or dtype is None:
+        return None
+    try:
+        dims = [int(d) for d in shape]
+    except (TypeError, ValueError):
+        return None
+    return dims, str(dtype).removeprefix("torch.")
+
+
+def _differs(name: str, saved: Any, mine: Any) -> str:
+    """How entry ``name`` differs between the checkpoint and the model ("" if it does not)."""
+    a, b = _spec(saved), _spec(mine)
+    if a is None or b is None or a == b:
+        return ""
+    if a[0] == b[0]:
+        return f"{name} is {a[1]} in the checkpoint, {b[1]} in the model"
+    if a[1] == b[1]:
+        return f"{name} is {a[0]} in the checkpoint, {b[0]} in the model"
+    return f"{name} is {a[0]} {a[1]} in the checkpoint, {b[0]} {b[1]} in the model"
+
+
+def check_state_dict(
+    expected: Mapping[str, Any],
+    loaded: Mapping[str, Any],
+    what: str = "model",
+    limit: int = 3,
+) -> None:
+    """Fail with ONE line unless the checkpoint's state dict ``loaded`` fits ``expected``
+    (the model's own ``state_dict()``): the same names, and for every tensor the same full
+    shape and dtype. Values that are not tensors are compared by name only.
+
+    The first ``limit`` differences are named, in the model's order (then the checkpoint's
+    extra entries), and the rest counted.
+
+    Raises:
+        CheckpointMismatchError: e.g. ``model does not fit the checkpoint: 0.weight is [32, 64]
+            in the checkpoint, [48, 64] in the model; 0.bias is [32] in the checkpoint, [48] in
+            the model; ... (2 more)``.
+    """
+    problems: list[str] = []
+    for name, mine in expected.items():
+        if name not in loaded:
+            problems.append(f"{name} is missing from the checkpoint")
+        else:
+            problem = _differs(str(name), loaded[name], mine)
+            if problem:
+                problems.append(problem)
+    problems += [f"{name} is in the checkpoint but not in the model"
+                 for name in loaded if name not in expected]
+    if not problems:
+        return
+    shown = "; ".join(problems[:limit])
+    more = f"; ... ({len(problems) - limit} more)" if len(problems) > limit else ""
+    raise CheckpointMismatchError(f"{what} does not fit the checkpoint: {shown}{more}")
 
 
 def check_state_dict_keys(
     expected_keys: Iterable[str],
     loaded_keys: Iterable[str],
-    what: str = "state dict",
-    limit: int = 8,
+    what: str = "model",
+    limit: int = 3,
 ) -> None:
-    """Fail with one clear line if the checkpoint's keys differ from the expected ones.
+    """The names-only form of :func:`check_state_dict` (kept for old callers: it cannot see
+    shapes or dtypes; pass state dicts to :func:`check_state_dict` instead).
 
     Raises:
-        CheckpointMismatchError: e.g. ``model state dict does not match the checkpoint:
-            missing keys (2): fc.bias, fc.weight; unexpected keys (1): head.weight``.
+        CheckpointMismatchError: one line, as :func:`check_state_dict`.
     """
-    expected, loaded = set(expected_keys), set(loaded_keys)
-    missing = sorted(map(str, expected - loaded))
-    unexpected = sorted(map(str, loaded - expected))
-    if not missing and not unexpected:
-        return
-    parts = []
-    if missing:
-        parts.append(f"missing keys ({len(missing)}): {_clip(missing, limit)}")
-    if unexpected:
-        parts.append(f"unexpected keys ({len(unexpected)}): {_clip(unexpected, limit)}")
-    raise CheckpointMismatchError(
-        f"{what} does not match the checkpoint: {'; '.join(parts)}"
-    )
+    check_state_dict(dict.fromkeys(sorted(map(str, expected_keys))),
+                     dict.fromkeys(sorted(map(str, loaded_keys))), what, limit)

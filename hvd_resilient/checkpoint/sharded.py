@@ -45,6 +45,7 @@ from hvd_resilient.checkpoint.manager import (
     EventFn,
     ScanResult,
     emit,
+    file_problem,
 )
 from hvd_resilient.checkpoint.manifest import (
     SHARD_DIR,
@@ -53,13 +54,8 @@ from hvd_resilient.checkpoint.manifest import (
     FileEntry,
     step_dir,
 )
-from hvd_resilient.checkpoint.serialize import check_state_dict_keys
-from hvd_resilient.checkpoint.store import (
-    Buffer,
-    SizeMismatchError,
-    StoreError,
-    StoreNotFoundError,
-)
+from hvd_resilient.checkpoint.serialize import TensorSpec, check_state_dict
+from hvd_resilient.checkpoint.store import Buffer, StoreError
 
 logger = logging.getLogger(__name__)
 
@@ -158,8 +154,8 @@ class ShardedCheckpointer:
         if self.rank == 0:
             try:
                 self.manager.begin(step)
-            except StoreError as e:  # still take part in the collectives; no manifest later
-                error = f"rank 0: {one_line(e)}"
+            except (StoreError, CheckpointError) as e:  # still take part in the collectives
+                error = f"rank 0: {one_line(e)}"  # (no manifest later); published: untouched
         stage = tempfile.mkdtemp(prefix=f"{step_dir(step)}-", dir=self.staging_dir)
         try:
             # No fsync: the staging copy is thrown away; durability comes from the store.
@@ -230,7 +226,7 @@ class ShardedCheckpointer:
         try:
             info = self.manager.publish(step, epoch, self.world_size, entries, run_id=run_id,
                                         meta=meta, layout=SHARDED)
-        except StoreError as e:
+        except (StoreError, CheckpointError) as e:
             emit(self.on_event, "checkpoint_failed", {"step": step, "error": one_line(e)})
             return
         self.last_saved = info
@@ -340,15 +336,10 @@ class ShardedCheckpointer:
                 if problem:
                     return folder, problem
             return folder, ""
-        for name, entry in sorted(info.files.items()):
-            try:
-                data = store.get_into(info.key(name), entry.size)
-            except StoreNotFoundError:
-                return tmp, f"{name} missing"
-            except SizeMismatchError:
-                return tmp, f"{name} size differs from the manifest's {entry.size} bytes"
-            if hashlib.sha256(data).hexdigest() != entry.sha256:
-                return tmp, f"{name} sha256 mismatch"
+        for name in sorted(info.files):
+            data, problem = self.manager.check_file(info, name)
+            if data is None:
+                return tmp, problem
             path = os.path.join(tmp, *name.split("/"))
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "wb") as f:
@@ -362,10 +353,7 @@ class ShardedCheckpointer:
         from hvd_resilient.checkpoint.dcp_safe import SafeLoadPlanner, SafeReader, read_metadata
 
         try:
-            saved = read_metadata(folder).state_dict_metadata
-            model = {k for k in saved if k.startswith("model.")}
-            check_state_dict_keys({f"model.{k}" for k in state.get("model", {})}, model,
-                                  "model state dict")
+            check_fits(state, read_metadata(folder).state_dict_metadata)
             dcp.load(state, storage_reader=SafeReader(folder), planner=SafeLoadPlanner(),
                      process_group=self.group)
         except Exception as e:
@@ -373,17 +361,38 @@ class ShardedCheckpointer:
                                   f"{one_line(e)}") from None
 
 
+def check_fits(state: dict[str, Any], saved: Mapping[str, Any]) -> None:
+    """The model part of a DCP ``state`` (this rank's DTensors: ``t.shape`` is the full shape)
+    against a checkpoint's DCP metadata (``state_dict_metadata``: ``model.<name>`` ->
+    ``TensorStorageMetadata`` with the full ``size`` and ``properties.dtype``): same names,
+    shapes and dtypes, or one line naming the first differences.
+
+    Raises:
+        CheckpointMismatchError: it does not fit.
+    """
+    loaded: dict[str, Any] = {}
+    for key, md in saved.items():
+        if not key.startswith("model."):
+            continue
+        size, props = getattr(md, "size", None), getattr(md, "properties", None)
+        dtype = getattr(props, "dtype", None)
+        loaded[key[len("model."):]] = (TensorSpec(tuple(size), dtype)
+                                       if size is not None and dtype is not None else md)
+    check_state_dict(dict(state.get("model", {})), loaded, "model")
+
+
 def _check_file(path: str, name: str, entry: FileEntry) -> str:
     """The problem with the file at ``path`` against its manifest entry ("" if none),
-    hashed in chunks so a multi-GB shard is never read into memory whole."""
+    hashed in chunks so a multi-GB shard is never read into memory whole (the in-place
+    form of :meth:`CheckpointManager.check_file`, worded by the same ``file_problem``)."""
     try:
         size = os.path.getsize(path)
         if size != entry.size:
-            return f"{name} size differs from the manifest's {entry.size} bytes"
+            return file_problem(name, entry, size=size)
         h = hashlib.sha256()
         with open(path, "rb") as f:
             while chunk := f.read(_CHUNK):
                 h.update(chunk)
     except FileNotFoundError:
-        return f"{name} missing"
-    return "" if h.hexdigest() == entry.sha256 else f"{name} sha256 mismatch"
+        return file_problem(name, entry, missing=True)
+    return file_problem(name, entry, sha256=h.hexdigest())

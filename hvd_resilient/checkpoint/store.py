@@ -16,9 +16,10 @@ import random
 import time
 from collections.abc import Callable, Iterable
 from typing import TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from hvd_resilient.checkpoint.host_buffers import allocate
+from hvd_resilient.masking import mask_text, mask_url
 
 logger = logging.getLogger(__name__)
 
@@ -57,25 +58,25 @@ class StoreNotFoundError(StoreError):
 class StoreConfigError(StoreError):
     """The store cannot work as configured: bad URL, missing bucket, rejected or absent
     credentials, missing client library. Retrying will not help; the message says what to fix.
+    Its message is masked (`hvd_resilient.masking`), whatever URL a caller put into it.
     """
+
+    def __init__(self, message: object = "", *args: object) -> None:
+        super().__init__(mask_text(str(message)), *args)
 
 
 class SizeMismatchError(StoreError):
     """The stored object's size differs from the size the caller expected (torn or replaced)."""
 
 
+class StoreExistsError(StoreError):
+    """:meth:`CheckpointStore.put_new` found an object already stored under the key."""
+
+
 def redact_url(url: str) -> str:
-    """Return ``url`` with any ``user:password@`` part removed, for logs and messages."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparseable url>"
-    if parts.username is None and parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
+    """Return ``url`` with any ``user:password@`` part masked (``s3://***@bucket/x``), for
+    logs and messages; never raises. One rule for the whole package: `masking.mask_url`."""
+    return mask_url(url)
 
 
 def validate_key(key: str) -> str:
@@ -130,6 +131,61 @@ class CheckpointStore(abc.ABC):
         """
         validate_key(key)
         self._retry("put", key, lambda: self._put(key, memoryview(data).cast("B")))
+
+    def put_new(self, key: str, data: Buffer) -> None:
+        """Store ``data`` under ``key`` only if nothing is stored there yet (create, never
+        replace), atomically like :meth:`put`. An object already there holding exactly
+        ``data`` counts as success: a retry whose first attempt did land is not a conflict.
+
+        How exclusive it is depends on the backend: local disk links the finished temporary
+        file to the key (atomic: of two racing writers one wins); S3 looks first and then
+        puts with ``If-None-Match: *``, which stores that honour it (AWS since 2024) make
+        atomic, while others leave a window between the look and the put.
+
+        Raises:
+            StoreExistsError: another object is stored under ``key``.
+            StorePermissionError, StoreConfigError, TransientStoreError, StoreError: as ``put``.
+        """
+        validate_key(key)
+        view = memoryview(data).cast("B")
+        try:
+            self._retry("put", key, lambda: self._put_new(key, view))
+        except StoreExistsError:
+            try:
+                there = self.get(key)
+            except StoreNotFoundError:  # removed again meanwhile: it was there, so refuse
+                raise StoreExistsError(f"{self.url}/{key} already exists") from None
+            if bytes(there) != bytes(view):
+                raise
+
+    def copy(self, src: str, dst: str) -> None:
+        """Store a copy of the object ``src`` under ``dst`` (atomically, like :meth:`put`),
+        without holding it in memory where the backend can avoid that.
+
+        Raises:
+            StoreNotFoundError: ``src`` does not exist.
+            StorePermissionError, StoreConfigError, TransientStoreError, StoreError.
+        """
+        validate_key(src)
+        validate_key(dst)
+        self._retry("copy", src, lambda: self._copy(src, dst))
+
+    def abort_stale_uploads(self, older_than: float, dry_run: bool = False) -> int:
+        """Remove what interrupted writes left below the base URL, invisible but taking
+        space (S3: multipart uploads never completed nor aborted, which are billed; local
+        disk: temporary files of a killed writer), if started at least ``older_than``
+        seconds ago; return how many (that would be) removed. Younger ones may be writes in
+        progress and are left alone; ``older_than=0`` removes them all (only when nothing
+        writes below the URL).
+
+        Raises:
+            ValueError: ``older_than`` < 0.
+            StorePermissionError, StoreConfigError, TransientStoreError, StoreError.
+        """
+        if older_than < 0:
+            raise ValueError(f"older_than must be >= 0 seconds, got {older_than}")
+        return self._retry("abort stale uploads", "<all>",
+                           lambda: self._abort_stale_uploads(older_than, dry_run))
 
     def put_file(self, key: str, path: str) -> None:
         """Store the contents of the local file ``path`` under ``key`` (atomically).
@@ -255,6 +311,20 @@ class CheckpointStore(abc.ABC):
                     self._put(key, view)
                 finally:
                     view.release()
+
+    def _put_new(self, key: str, data: memoryview) -> None:
+        """Default: look, then put (not atomic); backends that can do better override it."""
+        if self._exists(key):
+            raise StoreExistsError(f"{self.url}/{key} already exists")
+        self._put(key, data)
+
+    def _copy(self, src: str, dst: str) -> None:
+        """Default: through memory."""
+        self._put(dst, memoryview(self._get(src)).cast("B"))
+
+    def _abort_stale_uploads(self, older_than: float, dry_run: bool) -> int:
+        """Default: the backend leaves nothing behind."""
+        return 0
 
     @abc.abstractmethod
     def _get(self, key: str) -> bytes | bytearray: ...

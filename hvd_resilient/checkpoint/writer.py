@@ -17,8 +17,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hvd_resilient.checkpoint.manager import CheckpointManager, EventFn, emit
-from hvd_resilient.checkpoint.manifest import CheckpointInfo
+from hvd_resilient.checkpoint.manager import (
+    CheckpointExistsError,
+    CheckpointManager,
+    EventFn,
+    emit,
+)
+from hvd_resilient.checkpoint.manifest import CheckpointInfo, step_dir
 from hvd_resilient.checkpoint.serialize import to_buffer
 
 logger = logging.getLogger(__name__)
@@ -186,6 +191,17 @@ class AsyncCheckpointWriter:
 
     # ---- internals ------------------------------------------------------------------------
 
+    def _existing(self, step: int) -> CheckpointInfo | None:
+        """The published checkpoint of ``step`` if it verifies (a rotten one never counts as
+        saved), else ``None``."""
+        try:
+            info, _ = self.manager.read_manifest(step_dir(step))
+            if isinstance(info, CheckpointInfo) and not self.manager.verify(info):
+                return info
+        except Exception:  # the store failed: report the save as failed, the caller retries
+            pass
+        return None
+
     def _supersede(self, by_step: int) -> None:
         with self._cv:
             old, self._pending = self._pending, None
@@ -228,6 +244,19 @@ class AsyncCheckpointWriter:
                 job.step, job.epoch, job.world_size, blobs, run_id=job.run_id, meta=job.meta
             )
             t2 = time.perf_counter()
+        except CheckpointExistsError as e:
+            # Published already (write-once): by a rank 0 that died before the others learned
+            # of it, and that state is the one the survivors restored. It counts as saved.
+            info = self._existing(job.step)
+            if info is not None:
+                self.last_saved = info
+                logger.info("checkpoint of step %d was published already: %s", job.step, info.url)
+                emit(self.on_event, "checkpoint_skipped",
+                     {"step": job.step, "reason": "published already", "url": info.url})
+                return info
+            self.failed += 1
+            emit(self.on_event, "checkpoint_failed", {"step": job.step, "error": _one_line(e)})
+            return None
         except Exception as e:  # anything: a failed checkpoint must never stop training
             self.failed += 1
             logger.warning("checkpoint of step %d to %s failed: %s",

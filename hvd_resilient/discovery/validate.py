@@ -82,3 +82,46 @@ def parse_slots(value: object) -> int:
     if not _DIGITS.match(text) or len(text) > 9 or int(text) < 1:
         raise ValueError(f"slots must be a positive integer, got {text!r}")
     return int(text)
+
+
+GOOD_LINE = "one 'hostname:slots' line per host, e.g. 'node1:4' (or a bare hostname)"
+
+
+class DiscoveryOutputError(ValueError):
+    """A discovery script printed something Horovod would misread; the message names the line."""
+
+
+def parse_discovery_output(text: str, default_slots: int = 1) -> dict[str, int]:
+    """Read what a discovery script printed, as Horovod does, refusing what it would misread.
+
+    Each non-blank line is ``hostname:slots`` or a bare ``hostname`` (which gets
+    ``default_slots``, Horovod's ``--slots-per-host``); blank output means "no hosts right now".
+    Horovod itself turns ``hello world`` into a host named ``hello world`` (and later an ssh
+    command line) and dies on ``localhost:lots`` with a traceback; here either is a
+    ``DiscoveryOutputError`` naming the line and what a good one looks like. A host listed twice
+    is refused too (Horovod would keep an arbitrary one of its lines).
+    """
+    hosts: dict[str, int] = {}
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line:
+            continue
+        host, colon, slots = line.partition(":")
+        try:
+            validate_hostname(host)
+            count = parse_slots(slots.strip()) if colon else default_slots
+        except ValueError as e:
+            raise DiscoveryOutputError(
+                f"line {number} {_show(line)} is not a host: {e}; expected {GOOD_LINE}"
+            ) from None
+        if host in hosts:
+            raise DiscoveryOutputError(
+                f"line {number} {_show(line)} lists host {host!r} a second time; expected "
+                f"{GOOD_LINE}"
+            )
+        hosts[host] = count
+    return hosts
+
+
+def _show(line: str) -> str:
+    return repr(line if len(line) <= 80 else line[:77] + "...")

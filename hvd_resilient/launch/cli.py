@@ -12,18 +12,26 @@ import shlex
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
-from hvd_resilient.config import TrainConfig, load_file
-from hvd_resilient.errors import ConfigError, LaunchError
+from hvd_resilient.config import TrainConfig, load_file, refuse_credentials, refuse_unknown
+from hvd_resilient.errors import SUPERVISED_ENV, ConfigError, LaunchError
 from hvd_resilient.launch.commands import horovodrun_static, mpirun_command, torchrun_command
 from hvd_resilient.launch.horovod import ElasticLaunch, horovodrun_command
 from hvd_resilient.launch.supervisor import Supervisor
+from hvd_resilient.masking import has_credentials, mask_env, mask_text, mask_url
 
 BACKENDS = ("horovod", "mpi", "torchrun")
-_SECRET = ("SECRET", "TOKEN", "PASSWORD", "CREDENTIAL")
 FORWARDED_PREFIXES = ("HVD_RESILIENT_", "AWS_", "PYTHONPATH", "OMP_NUM_THREADS")
+
+DEFAULTS: dict[str, Any] = {
+    "backend": "horovod", "np": 2, "max_restarts": 3, "gloo_timeout_seconds": 30,
+    "run_id": "run", "ssh_port": 22, "elastic_timeout": 600, "torchrun_restarts": 3,
+    "blacklist_cooldown_range": [10, 30], "nnodes": "1", "rdzv_endpoint": "127.0.0.1:29400",
+    "slot_hosts": True, "fresh_start": False, "dry_run": False,
+}
 
 
 def parse_hosts(spec: str) -> list[tuple[str, int]]:
@@ -70,52 +78,140 @@ def check_hosts_reachable(hosts: list[tuple[str, int]], ssh_port: int) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """Every default is None here (the config file may set it); the real defaults are DEFAULTS,
+    named in each help line."""
+    d = DEFAULTS
     p = argparse.ArgumentParser(prog="hvd-resilient run", description=__doc__.splitlines()[0])
-    p.add_argument("--config", help="YAML/JSON file with any of these options")
-    p.add_argument("--backend", choices=BACKENDS)
-    p.add_argument("--hosts", help="static hosts, e.g. h1:2,h2:2")
-    p.add_argument("--discovery", help="host-discovery executable (elastic horovod)")
-    p.add_argument("--np", type=int)
-    p.add_argument("--min-np", type=int)
-    p.add_argument("--max-np", type=int)
-    p.add_argument("--checkpoint", help="file:///path or s3://bucket/prefix")
-    p.add_argument("--run-id")
-    p.add_argument("--run-dir")
-    p.add_argument("--max-restarts", type=int)
-    p.add_argument("--network-interface")
-    p.add_argument("--ssh-port", type=int, default=22, help="checked before launch")
-    p.add_argument("--gloo-timeout-seconds", type=int)
+    p.add_argument("--config", metavar="FILE",
+                   help="YAML or JSON file with any of these options, named as here without "
+                        "the dashes (max_restarts: 5); flags given here win (default: none)")
+    p.add_argument("--backend", choices=BACKENDS,
+                   help="the launcher: horovod (Horovod Elastic with --discovery, else static "
+                        f"horovodrun), mpi (mpirun) or torchrun (default {d['backend']})")
+    p.add_argument("--hosts", help="static hosts host:slots,..., e.g. h1:2,h2:2 "
+                                   "(default: this machine)")
+    p.add_argument("--discovery", metavar="SCRIPT",
+                   help="host-discovery executable printing host:slots lines; makes a horovod "
+                        "job elastic (default: none, a static job)")
+    p.add_argument("--np", type=int,
+                   help=f"processes to start; with --discovery the first world size; torchrun: "
+                        f"processes per node (default {d['np']})")
+    p.add_argument("--min-np", type=int,
+                   help="horovod with --discovery: train on down to this many processes "
+                        "(default 1)")
+    p.add_argument("--max-np", type=int,
+                   help="horovod with --discovery: grow up to this many processes "
+                        "(default: --np)")
+    p.add_argument("--checkpoint", metavar="URL",
+                   help="durable checkpoints: file:///path or s3://bucket/prefix, credentials "
+                        "never in it (default <run-dir>/checkpoints)")
+    p.add_argument("--run-id",
+                   help="names the run; a relaunch with the same id resumes from its "
+                        f"checkpoints (default {d['run_id']})")
+    p.add_argument("--run-dir", help="folder for the event log, shared by all hosts "
+                                     "(default runs/<run-id>)")
+    p.add_argument("--max-restarts", type=int,
+                   help=f"full relaunches after failures before giving up "
+                        f"(default {d['max_restarts']})")
+    p.add_argument("--fresh-start", action="store_true", default=None,
+                   help="before the first launch only, set the checkpoints at --checkpoint "
+                        "aside (superseded-<UTC time>) so that training starts from step 0; "
+                        "relaunches resume as usual (default: resume from them)")
+    p.add_argument("--network-interface", metavar="NIC",
+                   help="horovod: the interface Gloo uses, e.g. eth0; lo on one machine "
+                        "(default: Horovod finds a common one across hosts)")
+    p.add_argument("--ssh-port", type=int,
+                   help=f"ssh port of remote --hosts, checked before launch "
+                        f"(default {d['ssh_port']})")
+    p.add_argument("--gloo-timeout-seconds", type=int,
+                   help="horovod: seconds a collective waits for a lost peer before the "
+                        f"survivors reset (default {d['gloo_timeout_seconds']})")
     p.add_argument("--reset-limit", type=int,
                    help="horovod: stop after this many resets (default: no limit)")
     p.add_argument("--elastic-timeout", type=int,
-                   help="horovod: seconds to wait for --min-np slots (default 600)")
+                   help="horovod: seconds to wait for --min-np slots "
+                        f"(default {d['elastic_timeout']})")
     p.add_argument("--blacklist-cooldown-range", type=int, nargs=2, metavar=("MIN", "MAX"),
                    help="horovod: a failed slot is readmitted after MIN..MAX s (default 10 30)")
     p.add_argument("--no-slot-hosts", dest="slot_hosts", action="store_false", default=None,
                    help="horovod: blacklist whole hosts on a failure, as plain horovodrun does "
                         "(default: per slot, so one dead worker never ends a one-host job)")
-    p.add_argument("--nnodes", help="torchrun: MIN:MAX nodes (default 1)")
-    p.add_argument("--rdzv-endpoint", help="torchrun: host:port of the c10d rendezvous")
+    p.add_argument("--nnodes", help=f"torchrun: N or MIN:MAX nodes (default {d['nnodes']})")
+    p.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                   help="torchrun: where the c10d rendezvous listens "
+                        f"(default {d['rdzv_endpoint']})")
     p.add_argument("--torchrun-restarts", type=int,
-                   help="torchrun: in-job restarts before the supervisor relaunches (default 3)")
-    p.add_argument("--dry-run", action="store_true",
-                   help="print the launcher command and environment, then exit")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="-- python train.py ARGS")
+                   help="torchrun: in-job restarts before the supervisor relaunches "
+                        f"(default {d['torchrun_restarts']})")
+    p.add_argument("--dry-run", action="store_true", default=None,
+                   help="print the launcher command and its environment (credentials masked), "
+                        "then exit (default: launch)")
+    p.add_argument("command", nargs=argparse.REMAINDER,
+                   help="the training command after --, e.g. -- python train.py ARGS")
     return p
 
 
-DEFAULTS: dict[str, Any] = {
-    "backend": "horovod", "np": 2, "max_restarts": 3, "gloo_timeout_seconds": 30,
-    "run_id": "run",
-}
+def _file_options(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """The config file's options, each named as a flag's dest and of that flag's type; an
+    unknown key (a typo such as `max_restart`) is refused, naming the closest known one."""
+    actions = {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
+    raw = load_file(path)
+    if "no_slot_hosts" in raw:  # the flag's own name, for a file written from the --help
+        raw.setdefault("slot_hosts", not _as_bool("no_slot_hosts", raw.pop("no_slot_hosts")))
+    refuse_unknown(raw, set(actions), f"run: config file {path}")
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if value is None:
+            continue
+        action = actions[key]
+        where = f"run: config file {path}: {key}"
+        if key == "command":
+            out[key] = shlex.split(value) if isinstance(value, str) else _str_list(where, value)
+        elif action.nargs == 2:
+            if not isinstance(value, list) or len(value) != 2:
+                raise ConfigError(f"{where} must be a list of two numbers, got {value!r}")
+            out[key] = [_as_int(where, v) for v in value]
+        elif action.type is int:
+            out[key] = _as_int(where, value)
+        elif isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            out[key] = _as_bool(where, value)
+        elif action.choices and value not in action.choices:
+            raise ConfigError(f"{where} must be one of {', '.join(action.choices)}, "
+                              f"got {value!r}")
+        else:
+            out[key] = str(value)
+    return out
 
 
-def resolve(args: argparse.Namespace) -> dict[str, Any]:
+def _as_int(where: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).lstrip(
+            "-").isdigit():
+        raise ConfigError(f"{where} must be a whole number, got {value!r}")
+    return int(value)
+
+
+def _as_bool(where: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise ConfigError(f"{where} must be true or false, got {value!r}")
+
+
+def _str_list(where: str, value: Any) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, (str, int, float)) for v in value):
+        raise ConfigError(f"{where} must be a list of words or one string, got {value!r}")
+    return [str(v) for v in value]
+
+
+def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None
+            ) -> dict[str, Any]:
     """Defaults < config file < flags; the result is validated before anything starts."""
     opts = dict(DEFAULTS)
     if args.config:
-        opts.update(load_file(args.config))
-    opts.update({k: v for k, v in vars(args).items() if v is not None and k != "config"})
+        opts.update(_file_options(args.config, parser or build_parser()))
+    flags = {k: v for k, v in vars(args).items() if v is not None and k != "config"}
+    if not flags.get("command"):
+        flags.pop("command", None)  # no `-- cmd` on the command line: the file's stands
+    opts.update(flags)
     cmd = list(opts.get("command") or [])
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
@@ -129,13 +225,54 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
     if opts.get("discovery") and opts["backend"] != "horovod":
         raise ConfigError("run: --discovery needs --backend horovod (torchrun and MPI find "
                           "their hosts themselves)")
-    if opts["max_restarts"] < 0:
-        raise ConfigError("run: --max-restarts must be >= 0")
+    check_sizes(opts)
     # The training config the workers will build: validated here, once, before any launch.
     cfg = TrainConfig(run_id=opts["run_id"], run_dir=opts.get("run_dir") or "",
                       checkpoint_url=opts.get("checkpoint") or "")
+    refuse_credentials(cfg.checkpoint_url, "run: --checkpoint")
+    secret = [a for a in cmd if has_credentials(a)]
+    if secret:
+        raise ConfigError(f"run: the training command carries credentials in "
+                          f"{mask_url(secret[0])}; process lists and logs would show them: use "
+                          "the AWS credential chain (AWS_ACCESS_KEY_ID / AWS_PROFILE) instead")
     opts["run_dir"], opts["checkpoint"] = cfg.run_dir, cfg.checkpoint_url
     return opts
+
+
+def check_sizes(opts: dict[str, Any]) -> None:
+    """Sizes no launcher can run with, refused before anything starts, for every backend."""
+    np, lo, hi = opts["np"], opts.get("min_np"), opts.get("max_np")
+    if np < 1:
+        raise ConfigError(f"run: --np must be >= 1, got {np}")
+    if (lo is not None or hi is not None) and not opts.get("discovery"):
+        raise ConfigError("run: --min-np/--max-np size an elastic job: they need --discovery "
+                          "(--backend horovod); without it the job runs at --np")
+    if lo is not None and lo < 1:
+        raise ConfigError(f"run: --min-np must be >= 1, got {lo}")
+    if hi is not None and hi < 1:
+        raise ConfigError(f"run: --max-np must be >= 1, got {hi}")
+    lo, hi = lo or 1, hi or max(np, lo or 1)
+    if lo > hi:
+        raise ConfigError(f"run: --min-np ({lo}) is larger than --max-np ({hi})")
+    if not lo <= np <= hi:
+        raise ConfigError(f"run: --np {np} must lie between --min-np {lo} and --max-np {hi}")
+    if opts.get("hosts") and opts["backend"] in ("horovod", "mpi"):
+        slots = sum(n for _, n in parse_hosts(opts["hosts"]))
+        if np > slots:
+            raise ConfigError(f"run: --np {np} is more than the {slots} slots in --hosts "
+                              f"{opts['hosts']}")
+    for name, least in (("max_restarts", 0), ("gloo_timeout_seconds", 1), ("reset_limit", 0),
+                        ("elastic_timeout", 1), ("torchrun_restarts", 0), ("ssh_port", 1)):
+        value = opts.get(name)
+        if value is not None and value < least:
+            raise ConfigError(f"run: --{name.replace('_', '-')} must be >= {least}, got {value}")
+    if opts["ssh_port"] > 65535:
+        raise ConfigError(f"run: --ssh-port must be a port number, got {opts['ssh_port']}")
+    nodes = str(opts.get("nnodes") or "1").split(":")
+    if (len(nodes) > 2 or not all(n.isdigit() and int(n) >= 1 for n in nodes)
+            or int(nodes[0]) > int(nodes[-1])):
+        raise ConfigError(f"run: --nnodes must be N or MIN:MAX with 1 <= MIN <= MAX, got "
+                          f"{opts.get('nnodes')!r}")
 
 
 def launcher_command(opts: dict[str, Any], env_names: list[str]) -> list[str]:
@@ -145,8 +282,8 @@ def launcher_command(opts: dict[str, Any], env_names: list[str]) -> list[str]:
         return mpirun_command(opts["np"], hosts, env_names, train)
     if opts["backend"] == "torchrun":
         return torchrun_command(
-            opts["np"], opts.get("nnodes") or "1", opts.get("rdzv_endpoint") or "127.0.0.1:29400",
-            opts.get("torchrun_restarts", 3), opts["run_id"], train,
+            opts["np"], opts["nnodes"], opts["rdzv_endpoint"], opts["torchrun_restarts"],
+            opts["run_id"], train,
         )
     if opts.get("discovery"):
         launch = ElasticLaunch(
@@ -154,17 +291,19 @@ def launcher_command(opts: dict[str, Any], env_names: list[str]) -> list[str]:
             max_np=opts.get("max_np") or opts["np"], discovery_script=opts["discovery"],
             network_interface=opts.get("network_interface"),
             gloo_timeout_seconds=opts["gloo_timeout_seconds"],
-            slot_hosts=opts.get("slot_hosts", True),
             reset_limit=opts.get("reset_limit"),
-            elastic_timeout=opts.get("elastic_timeout") or 600,
-            blacklist_cooldown=tuple(opts.get("blacklist_cooldown_range") or (10, 30)),
+            elastic_timeout=opts["elastic_timeout"],
+            blacklist_cooldown=tuple(opts["blacklist_cooldown_range"]),
         )
         return horovodrun_command(launch, train)
     return horovodrun_static(opts["np"], hosts, opts.get("network_interface"), train)
 
 
 def check_discovery(script: str) -> None:
-    """Horovod would retry a failing discovery script for minutes; fail at once instead."""
+    """Horovod would retry a failing discovery script for minutes, and die with a traceback on
+    output it cannot parse; fail at once, with one line, instead."""
+    from hvd_resilient.discovery.validate import DiscoveryOutputError, parse_discovery_output
+
     try:
         r = subprocess.run([script], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -172,7 +311,11 @@ def check_discovery(script: str) -> None:
     if r.returncode != 0:
         last = (r.stderr.strip().splitlines() or ["(no message)"])[-1]
         raise LaunchError(f"discovery script {script} failed on its first call: {last}")
-    if not r.stdout.strip():
+    try:
+        hosts = parse_discovery_output(r.stdout)
+    except DiscoveryOutputError as e:
+        raise LaunchError(f"discovery script {script} printed {e}") from None
+    if not hosts:
         raise LaunchError(f"discovery script {script} printed no hosts: no slots to run on")
 
 
@@ -183,36 +326,63 @@ def check_store(url: str) -> None:
     try:
         open_store(url).list("")
     except StoreError as e:
-        raise LaunchError(f"checkpoint store {url}: {e}") from None
+        raise LaunchError(f"checkpoint store {mask_url(url)}: {e}") from None
 
 
-def masked(env: dict[str, str]) -> dict[str, str]:
-    return {k: ("***" if any(s in k.upper() for s in _SECRET) else v) for k, v in env.items()}
+def fresh_start(url: str) -> str:
+    """--fresh-start: the run's checkpoints set aside (never deleted), before the first launch
+    only. Returns the line that says where they went."""
+    from hvd_resilient.checkpoint.manager import CheckpointError, CheckpointManager
+    from hvd_resilient.checkpoint.store import StoreError
+
+    shown = mask_url(url)
+    try:
+        mgr = CheckpointManager(url)
+        if not mgr.has_checkpoints():
+            return f"hvd-resilient run: --fresh-start: no checkpoints at {shown}; starting " \
+                   "from step 0"
+        tag = "superseded-" + time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+        steps = mgr.supersede(tag)
+    except (StoreError, CheckpointError) as e:
+        raise LaunchError(f"--fresh-start: checkpoints at {shown}: {e}") from None
+    listed = ", ".join(map(str, steps[:5])) + (", ..." if len(steps) > 5 else "")
+    return (f"hvd-resilient run: --fresh-start: moved {len(steps)} checkpoint(s) (steps "
+            f"{listed or 'none'}) from {shown} to {shown}/{tag} (`hvd-resilient ckpt list "
+            f"{shown}/{tag}` lists them); starting from step 0")
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
-    opts = resolve(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    opts = resolve(args, parser)
     env = dict(os.environ)
     env.update({
         "HVD_RESILIENT_RUN_ID": opts["run_id"], "HVD_RESILIENT_RUN_DIR": opts["run_dir"],
-        "HVD_RESILIENT_CHECKPOINT_URL": opts["checkpoint"],
+        "HVD_RESILIENT_CHECKPOINT_URL": opts["checkpoint"], SUPERVISED_ENV: "1",
     })
+    if opts["backend"] == "horovod" and not opts["slot_hosts"]:
+        env["HVD_RESILIENT_SLOT_HOSTS"] = "0"  # read by the driver (launch/horovod_driver)
     forwarded = sorted(k for k in env if k.startswith(FORWARDED_PREFIXES))
     cmd = launcher_command(opts, forwarded)
-    if opts.get("dry_run"):
-        print(shlex.join(cmd))
+    if opts["dry_run"]:
+        print(mask_text(shlex.join(cmd)))
+        shown = mask_env({k: env[k] for k in forwarded})
         for k in forwarded:
-            print(f"{k}={masked(env)[k]}")
+            print(f"{k}={shown[k]}")
+        if opts["fresh_start"]:
+            print(f"# --fresh-start: checkpoints at {mask_url(opts['checkpoint'])} would be "
+                  "set aside before the first launch")
         return 0
     if opts.get("discovery"):
         check_discovery(opts["discovery"])
     if opts.get("hosts"):
-        check_hosts_reachable(parse_hosts(opts["hosts"]), opts.get("ssh_port") or 22)
+        check_hosts_reachable(parse_hosts(opts["hosts"]), opts["ssh_port"])
     check_store(opts["checkpoint"])
+    if opts["fresh_start"]:
+        print(fresh_start(opts["checkpoint"]), flush=True)
     Path(opts["run_dir"]).mkdir(parents=True, exist_ok=True)
     outcome = Supervisor(cmd, env, opts["run_dir"], max_restarts=opts["max_restarts"]).run()
     msg = f"hvd-resilient run: {outcome.reason} (exit {outcome.exit_code}, " \
           f"{outcome.restarts} restarts; events: {opts['run_dir']}/events.jsonl)"
-    print(msg, file=sys.stderr if outcome.exit_code else sys.stdout)
+    print(mask_text(msg), file=sys.stderr if outcome.exit_code else sys.stdout)
     return outcome.exit_code

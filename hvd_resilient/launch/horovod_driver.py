@@ -13,8 +13,17 @@ teaching it
 - the discovery interval: Horovod runs the discovery script every second, and that poll is
   most of what a scale change waits for; `HVD_RESILIENT_DISCOVERY_INTERVAL=0.25` (seconds)
   polls faster, at the cost of running the script that much more often.
-Both only wrap methods of Horovod's elastic driver; the protocol between driver and workers is
-Horovod's own.
+- discovery output checked (`install_discovery_check`): a line Horovod would misread
+  (`hello world`, `localhost:lots`) is refused with one line before the job starts; during the
+  run the last good host list stays in force, with a warning naming the bad line and a
+  `discovery_invalid` event in the run's event log;
+- a worker exiting with FATAL_EXIT_CODE (78: an error no restart fixes, such as a bad config)
+  stops the whole job at once (`install_fatal_stop`) instead of having its slot blacklisted and
+  restarted into the same error;
+- one line instead of the launcher's traceback (`main`): nothing at all when a worker stopped
+  on a fatal error (that worker recorded it; `hvd-resilient run` prints it once).
+All of it only wraps methods of Horovod's launcher; the protocol between driver and workers
+is Horovod's own.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -29,6 +39,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hvd_resilient import slot_hosts
+from hvd_resilient.errors import FATAL_EXIT_CODE
 from hvd_resilient.launch import standby as standby_mod
 
 logger = logging.getLogger("hvd_resilient.launch")
@@ -192,16 +203,181 @@ def set_discovery_interval() -> None:
     driver.DISCOVER_HOSTS_FREQUENCY_SECS = seconds
 
 
+class _Run:
+    """What the patches tell `main` about this launch (one launcher per process)."""
+
+    fatal: str = ""  # set when a worker exited with FATAL_EXIT_CODE
+    discovery_error: str = ""  # the discovery script's first answer was unusable
+    thread_errors: list[str] = []  # first lines of exceptions that ended launcher threads
+    events: Any = None
+
+
+def _one_line(e: BaseException | str) -> str:
+    from hvd_resilient.masking import mask_text
+
+    text = " ".join(str(e).split()) or (type(e).__name__ if isinstance(e, BaseException) else "")
+    return mask_text(text)
+
+
+def _events() -> Any:
+    """The run's event log when started by `hvd-resilient run` (rank -1: not a worker)."""
+    if _Run.events is None:
+        from hvd_resilient.events import EventLog
+
+        run_dir = os.environ.get("HVD_RESILIENT_RUN_DIR", "")
+        _Run.events = EventLog(os.path.join(run_dir, "events.jsonl") if run_dir else None,
+                               rank=-1, size=0, step=0)
+    return _Run.events
+
+
+def install_discovery_check() -> None:
+    """Horovod's parsing of the discovery script's output, replaced by `parse_discovery_output`;
+    a bad answer after a good one keeps the last good host list (the script's non-zero exits
+    stay Horovod's: a warning, hosts kept)."""
+    from horovod.runner.elastic import discovery
+
+    from hvd_resilient.discovery.validate import DiscoveryOutputError, parse_discovery_output
+
+    def find_available_hosts_and_slots(self: Any) -> dict[str, int]:
+        text = self._execute_discovery_script()
+        state = self.__dict__.setdefault("_hvdr", {"good": None, "bad": None})
+        script = self._discovery_script
+        try:
+            hosts = parse_discovery_output(text, default_slots=self._default_slots or 1)
+        except DiscoveryOutputError as e:
+            if state["good"] is None:  # the first answer: nothing to fall back on
+                _Run.discovery_error = _one_line(f"discovery script {script} printed {e}")
+                raise RuntimeError(_Run.discovery_error) from None
+            if state["bad"] != str(e):  # once per distinct bad answer, not every second
+                state["bad"] = str(e)
+                logger.warning("discovery script %s printed %s; keeping the last good host "
+                               "list %s", script, e, _hosts_arg(state["good"]))
+                _events().emit("discovery_invalid", script=script, error=str(e),
+                               kept=_hosts_arg(state["good"]))
+            return dict(state["good"])
+        state["good"], state["bad"] = hosts, None
+        return hosts
+
+    discovery.HostDiscoveryScript.find_available_hosts_and_slots = find_available_hosts_and_slots
+
+
+def _hosts_arg(hosts: dict[str, int]) -> str:
+    return ",".join(f"{h}:{n}" for h, n in sorted(hosts.items())) or "(none)"
+
+
+def install_fatal_stop() -> None:
+    """A worker that exits with FATAL_EXIT_CODE stopped on an error every restart would meet
+    again: stop the job at once (the shutdown event terminates the other workers) instead of
+    blacklisting its slot and resetting. Installed before `install_standby`, which wraps it
+    (a standby that exits before its release is still only logged)."""
+    from horovod.runner.elastic.driver import ElasticDriver
+    from horovod.runner.elastic.registration import WorkerStateRegistry
+
+    handle_exit = ElasticDriver._handle_worker_exit
+    wait = WorkerStateRegistry._wait
+
+    def wait_unless_stopped(self: Any, key: Any, state: Any, rendezvous_id: int) -> int:
+        """Threads waiting at a reset's barrier (a worker's exit, a survivor's rendezvous
+        request) when the job is stopped are let go quietly, not left blocking the driver."""
+        try:
+            return wait(self, key, state, rendezvous_id)
+        except threading.BrokenBarrierError:
+            if self._driver.finished():
+                return rendezvous_id
+            raise
+
+    def stop_on_fatal(self: Any, slot: Any, exit_code: int, timestamp: Any) -> None:
+        if exit_code == FATAL_EXIT_CODE and not self.finished():
+            name = f"{slot.hostname}[{slot.local_rank}]"
+            _Run.fatal = _Run.fatal or name
+            message = (f"worker {name} (rank {slot.rank}) stopped on an error no restart "
+                       f"fixes (exit code {FATAL_EXIT_CODE}); stopping the job")
+            logger.debug("%s", message)
+            self.stop(error_message=message)
+            barrier = getattr(self._worker_registry, "_barrier", None)
+            if barrier is not None:  # workers already waiting at a reset must not wait forever
+                barrier.abort()
+        handle_exit(self, slot, exit_code, timestamp)
+
+    ElasticDriver._handle_worker_exit = stop_on_fatal
+    WorkerStateRegistry._wait = wait_unless_stopped
+    _quiet_hung_up_clients()
+
+
+def _quiet_hung_up_clients() -> None:
+    """A worker killed while it waited for its rendezvous answer (the job was stopped) leaves
+    the answer nowhere to go: socketserver would print a BrokenPipeError traceback for it."""
+    from horovod.runner.http.http_server import RendezvousHTTPServer
+
+    handle_error = RendezvousHTTPServer.handle_error
+
+    def handle_error_quietly(self: Any, request: Any, client_address: Any) -> None:
+        if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            logger.debug("rendezvous client %s hung up before its answer", client_address)
+            return
+        handle_error(self, request, client_address)
+
+    RendezvousHTTPServer.handle_error = handle_error_quietly
+
+
+def _thread_excepthook(args: threading.ExceptHookArgs) -> None:
+    """A launcher thread that ends in an exception: one line instead of a traceback. The
+    discovery thread's failure on its first call is only noted: `main` prints it as the cause
+    of Horovod's "Job has been shutdown, see above"."""
+    if args.exc_type is SystemExit:
+        return
+    line = _one_line(args.exc_value or args.exc_type.__name__)
+    _Run.thread_errors.append(line)
+    logger.debug("launcher thread %s ended", getattr(args.thread, "name", "?"),
+                 exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
+    if line != _Run.discovery_error:
+        print(f"hvd-resilient: launcher thread {getattr(args.thread, 'name', '?')}: {line}",
+              file=sys.stderr, flush=True)
+
+
+def _fatal_recorded(since: float) -> bool:
+    """A worker recorded a `fatal` event in the run's event log since this launcher started."""
+    run_dir = os.environ.get("HVD_RESILIENT_RUN_DIR", "")
+    if not run_dir:
+        return False
+    from hvd_resilient.events import read_recent_events
+
+    return any(e["event"] == "fatal" and e["ts"] >= since
+               for e in read_recent_events(os.path.join(run_dir, "events.jsonl")))
+
+
 def main(argv: list[str] | None = None) -> None:
+    from hvd_resilient.masking import install_log_scrubber
+
+    install_log_scrubber()
+    since = time.time()
     set_discovery_interval()
+    install_discovery_check()  # first: the slot split below wraps the checked answer
     if os.environ.get(ENV, "1") != "0":
         install()
+    install_fatal_stop()  # before the standby, which wraps the worker-exit handler again
     if os.environ.get(STANDBY_ENV, "1") != "0":
         install_standby()
+    threading.excepthook = _thread_excepthook
     from horovod.runner.launch import run_commandline
 
     sys.argv = ["horovodrun", *(sys.argv[1:] if argv is None else argv)]
-    run_commandline()
+    try:
+        run_commandline()
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as e:
+        if _Run.fatal or _fatal_recorded(since):
+            # The worker said why (in the event log under `hvd-resilient run`, else on its
+            # stderr); Horovod's "processes exited with non-zero status" adds nothing.
+            sys.exit(FATAL_EXIT_CODE)
+        reason = _one_line(e)
+        if re.search(rf"Exit code: {FATAL_EXIT_CODE}\b", reason):
+            sys.exit(FATAL_EXIT_CODE)  # static horovodrun: a worker stopped on a fatal error
+        if reason.startswith("Job has been shutdown") and _Run.thread_errors:
+            reason = _Run.thread_errors[0]  # the cause, which Horovod only says "see above" of
+        print(f"hvd-resilient: launcher: {reason}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

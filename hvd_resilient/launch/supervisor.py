@@ -71,7 +71,7 @@ class Supervisor:
             if fatal:
                 # Checked before the exit code: a launcher can exit 0 after a rank reported a
                 # fatal error (the others trained on), and that is never success.
-                return Outcome(code or FATAL_EXIT_CODE, attempt,
+                return Outcome(FATAL_EXIT_CODE, attempt,
                                f"not restarting: {fatal[0].get('error')}")
             if code == 0:
                 return Outcome(0, attempt, "finished")
