@@ -4,6 +4,11 @@ Under `mpirun`/`srun` (a static MPI world) Horovod runs on its MPI controller ov
 COMM_WORLD, or a sub-communicator the user passes; under `horovodrun` elastic it must be Gloo
 (MPI cannot change its world). Horovod would pick by itself in most cases; being explicit makes
 the mpi4py communicator the one Horovod uses, so user code can mix mpi4py calls safely.
+
+With HVD_RESILIENT_DETERMINISTIC=1 (set by `determinism.apply`, which the trainer calls for
+`--deterministic`, or by the user) tensor fusion is turned off before Horovod starts, so every
+gradient is reduced alone, in an order that does not depend on timing (`determinism`). The
+setting lives in the process environment, so the re-inits after elastic resets keep it.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from typing import Any
 
 import horovod.torch as hvd
 
+from hvd_resilient import determinism
+
 
 def launched_by_mpi(env: dict[str, str] | os._Environ[str] = os.environ) -> bool:
     gloo = "HOROVOD_GLOO_RENDEZVOUS_ADDR" in env
@@ -21,6 +28,7 @@ def launched_by_mpi(env: dict[str, str] | os._Environ[str] = os.environ) -> bool
 
 
 def init(comm: Any | None = None) -> None:
+    determinism.apply(determinism.enabled())  # before hvd.init: Horovod reads it there
     if comm is None and launched_by_mpi():
         from mpi4py import MPI
 

@@ -5,6 +5,12 @@ torchrun restarts every worker after a failure; the restarted workers resume fro
 durable checkpoint. A plain `init_process_group` hangs after such a restart: the workers share
 the agent's store with the dead round, and Gloo reads the dead processes' addresses from it.
 Keys of each round live under their own prefix here, so a restarted round never sees them.
+
+DDP lays its gradient buckets out in parameter order for a process's first step and rebuilds
+them in gradient-ready order after it, so with 3 or more ranks the first step after a restart
+rounds differently from the same step of a run never restarted. With
+HVD_RESILIENT_DETERMINISTIC=1 (`--deterministic`) a communication hook reduces all gradients
+as one buffer laid out in parameter order, whatever their buckets (`determinism`).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hvd_resilient import determinism
 from hvd_resilient.backends.base import Backend
 from hvd_resilient.torchrun_state import TorchrunState
 
@@ -34,6 +41,7 @@ class TorchDistBackend(Backend):
 
     def init(self, comm: Any | None = None) -> None:
         env = os.environ
+        determinism.apply(determinism.enabled())  # local math; the DDP hook comes in wrap()
         rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
         use_cuda = torch.cuda.is_available()
         if use_cuda:
@@ -59,12 +67,20 @@ class TorchDistBackend(Backend):
         if self.fsdp:
             from hvd_resilient import fsdp
 
+            if determinism.enabled() and self.rank() == 0:
+                from hvd_resilient.log import get
+
+                get("determinism").warning("--deterministic does not cover FSDP's reductions "
+                                           "(docs/determinism.md)")
             return fsdp.shard(model, optimizer, self.device), optimizer
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model.to(self.device)
         ids = [self.device.index] if self.device.type == "cuda" else None
-        return DDP(model, device_ids=ids), optimizer
+        ddp = DDP(model, device_ids=ids)
+        if determinism.enabled():
+            determinism.register_ddp_hook(ddp)
+        return ddp, optimizer
 
     def make_state(self, model: Any, optimizer: Any, **kwargs: Any) -> TorchrunState:
         return TorchrunState(model, optimizer, rank=self.rank, size=self.size, **kwargs)
