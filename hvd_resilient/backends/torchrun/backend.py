@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from hvd_resilient.backends.base import Backend
-from hvd_resilient.torchrun_state import TorchrunState
+from hvd_resilient.backends.torchrun.state import TorchrunState
 
 INIT_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("HVD_RESILIENT_PG_TIMEOUT", "300")))
 
@@ -57,7 +57,7 @@ class TorchDistBackend(Backend):
 
     def wrap(self, model: Any, optimizer: Any) -> tuple[Any, Any]:
         if self.fsdp:
-            from hvd_resilient import fsdp
+            from hvd_resilient.backends.torchrun import fsdp
 
             return fsdp.shard(model, optimizer, self.device), optimizer
         from torch.nn.parallel import DistributedDataParallel as DDP

@@ -13,6 +13,8 @@ from typing import Any
 
 import horovod.torch as hvd
 
+from hvd_resilient.backends.horovod.compat import check_compatible
+
 
 def launched_by_mpi(env: dict[str, str] | os._Environ[str] = os.environ) -> bool:
     gloo = "HOROVOD_GLOO_RENDEZVOUS_ADDR" in env
@@ -21,6 +23,7 @@ def launched_by_mpi(env: dict[str, str] | os._Environ[str] = os.environ) -> bool
 
 
 def init(comm: Any | None = None) -> None:
+    check_compatible(driver=False)
     if comm is None and launched_by_mpi():
         from mpi4py import MPI
 
