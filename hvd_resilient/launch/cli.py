@@ -361,7 +361,7 @@ def main(argv: list[str]) -> int:
         "HVD_RESILIENT_CHECKPOINT_URL": opts["checkpoint"], SUPERVISED_ENV: "1",
     })
     if opts["backend"] == "horovod" and not opts["slot_hosts"]:
-        env["HVD_RESILIENT_SLOT_HOSTS"] = "0"  # read by the driver (launch/horovod_driver)
+        env["HVD_RESILIENT_SLOT_HOSTS"] = "0"  # read by the driver (launch/horovod/driver.py)
     forwarded = sorted(k for k in env if k.startswith(FORWARDED_PREFIXES))
     cmd = launcher_command(opts, forwarded)
     if opts["dry_run"]:

@@ -2,7 +2,7 @@
 
 Horovod starts the workers of an added host (or a slot back from its cooldown) only after the
 running workers have stopped at a reset, so they sit idle for the newcomer's cold start (Python,
-torch, Horovod: 5-20 s). `horovod_driver` starts the newcomer early through this module: it
+torch, Horovod: 5-20 s). `launch.horovod.driver` starts the newcomer early through this module: it
 imports torch and Horovod, says it is ready through the driver's key-value store, and waits for
 the driver's go (given when the new world is formed); only then does the training script run, in
 this same process, with its imports already paid for. Without a Horovod driver around (no
