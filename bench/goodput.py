@@ -5,7 +5,7 @@ throughput when faults are routine. Here the tiny transformer of `examples/tiny_
 (`bench/goodput_job.py`: same model, text, batch and commit cadence under both stacks) trains
 for a fixed wall time under a real elastic launcher (hostfile discovery over this machine's
 one-slot names, `--network-interface lo`, `--blacklist-cooldown-range 1 2`, Horovod's defaults
-otherwise: 30 s Gloo timeout; ours through `hvd_resilient.launch.horovod_driver`, as
+otherwise: 30 s Gloo timeout; ours through `hvd_resilient.launch.horovod.driver`, as
 `hvd-resilient run` starts it, vanilla through plain `horovodrun`), while this process SIGKILLs
 a random live worker every T seconds of training (the same victim sequence for every
 config, from `--seed`; workers are found by the pids of their `start` events, so the driver is
@@ -181,7 +181,7 @@ def run_once(cfg: Config, a: argparse.Namespace, work: Path, victims: random.Ran
     names = local_names()
     _, discover = write_discovery(run, "\n".join(f"{n}:1" for n in names))
     # ours: what `hvd-resilient run` starts (Horovod's launcher with slot hosts); the same hosts
-    launcher = ([sys.executable, "-m", "hvd_resilient.launch.horovod_driver"]
+    launcher = ([sys.executable, "-m", "hvd_resilient.launch.horovod.driver"]
                 if cfg.stack == "ours" else [str(VENV_BIN / "horovodrun")])
     cmd = [
         *launcher, "-np", str(len(names)), "--min-np", "1",

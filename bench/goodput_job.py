@@ -37,9 +37,9 @@ from tiny_lm import BLOCK, TinyLM, make_data  # noqa: E402
 
 import hvd_resilient  # noqa: E402
 from hvd_resilient import log  # noqa: E402
+from hvd_resilient.backends.horovod.state import ElasticState  # noqa: E402
 from hvd_resilient.events import EventLog  # noqa: E402
-from hvd_resilient.sampler import ElasticDataSampler  # noqa: E402
-from hvd_resilient.state import ElasticState  # noqa: E402
+from hvd_resilient.state.sampler import ElasticDataSampler  # noqa: E402
 
 TrainStep = Callable[[list[int]], None]
 

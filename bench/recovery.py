@@ -15,7 +15,7 @@ discovery file changed) to:
 - new-size commit (scale-up): the first commit at the new world size;
 - lost: steps trained before the fault and trained again after it.
 
-Ours runs Horovod's launcher through `hvd_resilient.launch.horovod_driver` (slot hosts), as
+Ours runs Horovod's launcher through `hvd_resilient.launch.horovod.driver` (slot hosts), as
 `hvd-resilient run` does. Vanilla runs plain `horovodrun` with Horovod's defaults (30 s Gloo
 timeout) except on one host, where plain Horovod ends the job on the first failure: there it gets
 its best setup (one-slot host names and `--gloo-timeout-seconds 3`, as measured in the field
@@ -159,7 +159,7 @@ def run_once(sc: Scenario, stack: str, work: Path, timeout: float) -> dict[str, 
     run.mkdir(parents=True)
     hosts, discover = write_discovery(run, sc.hosts)
     # ours: what `hvd-resilient run` starts (Horovod's launcher with slot hosts)
-    launcher = ([sys.executable, "-m", "hvd_resilient.launch.horovod_driver"] if stack == "ours"
+    launcher = ([sys.executable, "-m", "hvd_resilient.launch.horovod.driver"] if stack == "ours"
                 else [str(VENV_BIN / "horovodrun")])
     cmd = [
         *launcher, "-np", str(sc.np), "--min-np", str(sc.min_np),

@@ -19,10 +19,10 @@ from torch import nn
 
 import hvd_resilient
 from hvd_resilient import log
+from hvd_resilient.backends.horovod.state import ElasticState
 from hvd_resilient.events import EventLog
-from hvd_resilient.faults import ENV, FaultPlan
-from hvd_resilient.sampler import ElasticDataSampler
-from hvd_resilient.state import ElasticState
+from hvd_resilient.state.sampler import ElasticDataSampler
+from hvd_resilient.training.faults import ENV, FaultPlan
 
 
 def main() -> int:

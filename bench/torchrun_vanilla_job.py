@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from hvd_resilient.events import EventLog
-from hvd_resilient.faults import ENV, FaultPlan
+from hvd_resilient.training.faults import ENV, FaultPlan
 
 
 def main() -> int:

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cfg = TrainConfig.from_sources(args)
 
-    from hvd_resilient.trainer import Trainer
+    from hvd_resilient.training.trainer import Trainer
 
     torch.manual_seed(cfg.seed)
     train, x_test, y_test = load_digits_split()

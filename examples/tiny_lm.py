@@ -76,12 +76,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import hvd_resilient
     from hvd_resilient import log
-    from hvd_resilient.backends.horovod import HorovodBackend
-    from hvd_resilient.durable import DurableCheckpoints
+    from hvd_resilient.backends.horovod.backend import HorovodBackend
+    from hvd_resilient.backends.horovod.state import ElasticState
+    from hvd_resilient.backends.threads import share_cores
     from hvd_resilient.events import EventLog
-    from hvd_resilient.sampler import ElasticDataSampler
-    from hvd_resilient.state import ElasticState
-    from hvd_resilient.trainer import share_cores
+    from hvd_resilient.state.sampler import ElasticDataSampler
+    from hvd_resilient.training.durable import DurableCheckpoints
 
     hvd.init()
     log.setup(rank_fn=hvd.rank)

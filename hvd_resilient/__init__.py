@@ -15,12 +15,12 @@ __version__ = "0.1.0"
 _LAZY = {
     "TrainConfig": "hvd_resilient.config",
     "ConfigError": "hvd_resilient.errors",
-    "ElasticDataSampler": "hvd_resilient.sampler",
-    "ElasticState": "hvd_resilient.state",
-    "run": "hvd_resilient.elastic",
-    "Trainer": "hvd_resilient.trainer",
+    "ElasticDataSampler": "hvd_resilient.state.sampler",
+    "ElasticState": "hvd_resilient.backends.horovod.state",
+    "run": "hvd_resilient.backends.horovod.run",
+    "Trainer": "hvd_resilient.training.trainer",
     "EventLog": "hvd_resilient.events",
-    "local_rank": "hvd_resilient.slot_hosts",
+    "local_rank": "hvd_resilient.backends.horovod.slots",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -18,7 +18,7 @@ def _ckpt(argv: list[str]) -> int:
 
 
 def _demo(argv: list[str]) -> int:
-    from hvd_resilient.demo import main
+    from hvd_resilient.launch.demo import main
 
     return main(argv)
 

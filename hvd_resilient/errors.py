@@ -59,7 +59,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     import sys
 
     types: list[type[BaseException]] = [HvdResilientError]
-    for module, name in (("hvd_resilient.checkpoint.store", "StoreError"),
+    for module, name in (("hvd_resilient.checkpoint.stores.base", "StoreError"),
                          ("hvd_resilient.checkpoint.manager", "CheckpointError")):
         cls = getattr(sys.modules.get(module), name, None)
         if isinstance(cls, type):

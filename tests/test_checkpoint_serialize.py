@@ -109,8 +109,8 @@ def test_sharded_resume_checks_shapes_against_dcp_metadata(tmp_path) -> None:
     """The FSDP path compares the model's (D)Tensors with what DCP's .metadata records."""
     import torch.distributed.checkpoint as dcp
 
-    from hvd_resilient.checkpoint.dcp_safe import read_metadata
-    from hvd_resilient.checkpoint.sharded import check_fits
+    from hvd_resilient.checkpoint.sharded.checkpointer import check_fits
+    from hvd_resilient.checkpoint.sharded.dcp_safe import read_metadata
 
     saved = _mlp(32)
     dcp.save({"model": saved.state_dict()}, storage_writer=dcp.FileSystemWriter(str(tmp_path)))

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from hvd_resilient.checkpoint.store import (
+from hvd_resilient.checkpoint.stores import (
     CheckpointStore,
     SizeMismatchError,
     StoreConfigError,
@@ -252,7 +252,7 @@ def test_server_side_encryption_roundtrip(s3_server, s3_url) -> None:
 
 
 def test_unreachable_endpoint_is_transient_and_retried(s3_url, free_port_url, caplog) -> None:
-    caplog.set_level(logging.WARNING, logger="hvd_resilient.checkpoint.store")
+    caplog.set_level(logging.WARNING, logger="hvd_resilient.checkpoint.stores.base")
     with pytest.raises(TransientStoreError) as e:
         open_store(
             s3_url, endpoint_url=free_port_url, retries=2, backoff_base=0.01,

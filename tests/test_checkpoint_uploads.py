@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from hvd_resilient.checkpoint import CheckpointManager, open_store
-from hvd_resilient.checkpoint import s3_store as s3_module
 from hvd_resilient.checkpoint.cli import main as ckpt_main
-from hvd_resilient.checkpoint.file_store import TMP_MARKER
+from hvd_resilient.checkpoint.stores import s3 as s3_module
+from hvd_resilient.checkpoint.stores.file import TMP_MARKER
 
 MiB = 1 << 20
 REPO = Path(__file__).resolve().parents[1]

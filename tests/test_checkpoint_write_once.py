@@ -26,7 +26,7 @@ from hvd_resilient.checkpoint.manager import (
     default_supersede_tag,
     validate_tag,
 )
-from hvd_resilient.checkpoint.store import StoreExistsError, open_store
+from hvd_resilient.checkpoint.stores import StoreExistsError, open_store
 
 MUTATING = ("put", "put_new", "copy", "delete")
 

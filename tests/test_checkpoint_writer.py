@@ -16,9 +16,9 @@ from hvd_resilient.checkpoint import (
     snapshot_state_dict,
     step_dir,
 )
-from hvd_resilient.checkpoint.file_store import FileStore
-from hvd_resilient.checkpoint.s3_store import S3Store
-from hvd_resilient.checkpoint.store import StoreError
+from hvd_resilient.checkpoint.stores import StoreError
+from hvd_resilient.checkpoint.stores.file import FileStore
+from hvd_resilient.checkpoint.stores.s3 import S3Store
 
 WAIT = 60  # seconds; every wait in these tests is bounded
 

@@ -12,7 +12,7 @@ from jobs import PYTHON, ROOT
 
 from hvd_resilient.config import TrainConfig
 from hvd_resilient.errors import FATAL_EXIT_CODE, ConfigError
-from hvd_resilient.launch.horovod import ElasticLaunch
+from hvd_resilient.launch.horovod.command import ElasticLaunch
 
 
 def parse(argv: list[str], env: dict[str, str] | None = None) -> TrainConfig:

@@ -649,7 +649,7 @@ def test_entrypoint_setup_then_driver_dry_run(tmp_path: Path):
                        text=True, timeout=60, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     launch = r.stdout.splitlines()[0]
-    assert "hvd_resilient.launch.horovod_driver" in launch  # horovodrun with slot hosts
+    assert "hvd_resilient.launch.horovod.driver" in launch  # horovodrun with slot hosts
     assert "--network-interface eth0" in launch
     assert launch.endswith("python examples/digits.py --epochs 20 --checkpoint-every 100")
     assert f"{CHECKPOINT_ENV}={compose_env[CHECKPOINT_ENV]}" in r.stdout

@@ -28,7 +28,7 @@ DETERMINISTIC = {"HVD_RESILIENT_DETERMINISTIC": "1"}
 
 # -- unit: the switch ----------------------------------------------------------------------
 def test_enabled_reads_the_values_the_config_accepts():
-    from hvd_resilient import determinism
+    from hvd_resilient.backends import determinism
     from hvd_resilient.errors import ConfigError
 
     for v in ("1", "true", "Yes", "on"):
@@ -43,7 +43,7 @@ def test_enabled_reads_the_values_the_config_accepts():
 def test_apply_turns_fusion_off_for_this_process_and_its_reinits(caplog):
     import torch
 
-    from hvd_resilient import determinism
+    from hvd_resilient.backends import determinism
 
     env: dict[str, str] = {}
     assert determinism.apply(False, env) is False and env == {}, "off must change nothing"
@@ -66,7 +66,7 @@ def _ddp_first_and_second_step(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
     from torch import nn
 
-    from hvd_resilient import determinism
+    from hvd_resilient.backends import determinism
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,

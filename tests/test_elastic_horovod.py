@@ -129,7 +129,7 @@ def grow_2_to_4_with_standby(tmp_path: Path, jobs, name: str):
     run.mkdir()
     hosts, discover = write_discovery(tmp_path, "localhost:2")
     cmd = horovodrun_elastic(discover, 2, 2, 4)
-    cmd[:1] = [PYTHON, "-m", "hvd_resilient.launch.horovod_driver"]
+    cmd[:1] = [PYTHON, "-m", "hvd_resilient.launch.horovod.driver"]
     job = jobs.start(cmd + [PYTHON, JOB, "--run-dir", str(run), "--expect-sizes", "2,4",
                             "--steps-at-each", "20", "--commit-every", "5"],
                      env=jobs.env(HVD_RESILIENT_STANDBY="1"), name=name)
@@ -242,7 +242,7 @@ def test_one_host_job_survives_a_dead_worker_with_slot_hosts(tmp_path, jobs):
     commit_every = 5
     cmd = horovodrun_elastic(discover, 3, 2, 3, "--gloo-timeout-seconds", GLOO_TIMEOUT,
                              "--blacklist-cooldown-range", "2", "4")
-    cmd[:1] = [PYTHON, "-m", "hvd_resilient.launch.horovod_driver"]
+    cmd[:1] = [PYTHON, "-m", "hvd_resilient.launch.horovod.driver"]
     job = jobs.start(
         cmd + [PYTHON, JOB, "--run-dir", str(run), "--expect-sizes", "3,2,3",
                "--commit-every", str(commit_every)],

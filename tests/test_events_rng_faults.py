@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from hvd_resilient import rng
 from hvd_resilient.errors import ConfigError
 from hvd_resilient.events import EventLog, read_events
-from hvd_resilient.faults import FaultPlan, InjectedFault
+from hvd_resilient.state import rng
+from hvd_resilient.training.faults import FaultPlan, InjectedFault
 
 
 def test_event_has_contract_keys_and_hides_secrets(tmp_path):
@@ -89,7 +89,7 @@ def test_fault_plan_bad_spec():
 
 
 def test_memory_growth_flagged_only_when_steady():
-    from hvd_resilient.memory import GrowthWatch, sample
+    from hvd_resilient.training.memory import GrowthWatch, sample
 
     w = GrowthWatch(resets=3, min_growth=0.10)
     assert [w.at_reset(x) for x in (100, 105, 111)] == [None, None, None]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from exactly_once import assert_exactly_once
 
-from hvd_resilient.sampler import ElasticDataSampler
+from hvd_resilient.state.sampler import ElasticDataSampler
 
 N = 64
 BATCH = 4

@@ -23,8 +23,8 @@ from jobs import PYTHON, ROOT, events, wait_for
 
 from hvd_resilient.checkpoint import CheckpointManager
 from hvd_resilient.checkpoint.cli import main as ckpt_main
-from hvd_resilient.checkpoint.dcp_safe import UnsafeMetadataError, read_metadata
 from hvd_resilient.checkpoint.manifest import CheckpointInfo, FileEntry, ManifestError, new_info
+from hvd_resilient.checkpoint.sharded.dcp_safe import UnsafeMetadataError, read_metadata
 from hvd_resilient.errors import FATAL_EXIT_CODE
 
 TORCHRUN = str(Path(PYTHON).parent / "torchrun")

@@ -49,7 +49,7 @@ def test_elastic_dry_run_sets_the_flags_that_matter(tmp_path):
                  "--network-interface lo"):
         assert flag in r.stdout.splitlines()[0]
     # slot hosts by default: Horovod's launcher run through our driver module
-    assert "-m hvd_resilient.launch.horovod_driver -np 2" in r.stdout.splitlines()[0]
+    assert "-m hvd_resilient.launch.horovod.driver -np 2" in r.stdout.splitlines()[0]
     tuned = cli("run", "--discovery", str(d), "--np", "2", "--reset-limit", "5",
                 "--elastic-timeout", "60", "--blacklist-cooldown-range", "3", "9",
                 "--run-dir", str(tmp_path), "--dry-run", "--", "python", "t.py")
@@ -63,7 +63,7 @@ def test_elastic_dry_run_sets_the_flags_that_matter(tmp_path):
     # still our driver (a fatal worker error stops the job, one line instead of a traceback),
     # told to blacklist whole hosts as plain horovodrun does
     first, *env_lines = plain.stdout.splitlines()
-    assert "-m hvd_resilient.launch.horovod_driver -np 2" in first
+    assert "-m hvd_resilient.launch.horovod.driver -np 2" in first
     assert "HVD_RESILIENT_SLOT_HOSTS=0" in env_lines
     assert "HVD_RESILIENT_SLOT_HOSTS=0" not in r.stdout
 
@@ -71,7 +71,7 @@ def test_elastic_dry_run_sets_the_flags_that_matter(tmp_path):
 def test_standby_runs_in_process_only_what_python_itself_would_run_as_is():
     import sys
 
-    from hvd_resilient.launch.standby import runnable_here
+    from hvd_resilient.launch.horovod.standby import runnable_here
 
     assert runnable_here([sys.executable, "train.py", "--epochs", "2"])
     assert runnable_here([sys.executable, "-m", "pkg.train"])
@@ -85,7 +85,7 @@ def test_standby_runs_in_process_only_what_python_itself_would_run_as_is():
 def test_discovery_interval_from_the_environment(monkeypatch):
     from horovod.runner.elastic import driver
 
-    from hvd_resilient.launch import horovod_driver
+    from hvd_resilient.launch.horovod import driver as horovod_driver
 
     monkeypatch.setattr(driver, "DISCOVER_HOSTS_FREQUENCY_SECS", 1.0)
     monkeypatch.setenv("HVD_RESILIENT_DISCOVERY_INTERVAL", "0.25")
@@ -104,7 +104,7 @@ def test_standby_takes_its_rank_from_the_go_not_from_its_start(monkeypatch):
     worker must join as what the driver says now."""
     from types import SimpleNamespace
 
-    from hvd_resilient.launch import standby
+    from hvd_resilient.launch.horovod import standby
 
     for name, value in zip(standby.SLOT_ENV, ("2", "3", "0", "1", "2", "3"), strict=True):
         monkeypatch.setenv(name, value)
@@ -117,7 +117,7 @@ def test_standby_takes_its_rank_from_the_go_not_from_its_start(monkeypatch):
 
 
 def test_slot_hosts_split_per_slot_and_map_back_to_the_machine():
-    from hvd_resilient import slot_hosts
+    from hvd_resilient.backends.horovod import slots as slot_hosts
 
     split = slot_hosts.split({"node-a": 2, "10.0.0.7": 1})
     assert split == {"node-a+0": 1, "node-a+1": 1, "10.0.0.7+0": 1}

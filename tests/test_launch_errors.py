@@ -205,7 +205,7 @@ def test_driver_refuses_a_bad_first_discovery_answer_in_one_line(tmp_path):
     """Without the pre-launch check (the driver run as horovodrun): Horovod would make a host
     named 'hello world'; the driver stops with one line naming the line."""
     d = script(tmp_path / "d.sh", "echo hello world\n")
-    r = run(PYTHON, "-m", "hvd_resilient.launch.horovod_driver", "-np", "1",
+    r = run(PYTHON, "-m", "hvd_resilient.launch.horovod.driver", "-np", "1",
             "--host-discovery-script", str(d), "--network-interface", "lo", "--elastic-timeout",
             "30", PYTHON, "-c", "pass", timeout=90, cwd=tmp_path)
     assert r.returncode == 1, r.stdout + r.stderr
@@ -359,7 +359,7 @@ def test_fresh_start_sets_checkpoints_aside_before_the_first_launch_only(tmp_pat
 # -- exit_on_error, in process ----------------------------------------------------------------
 def test_exit_on_error_records_a_supervised_fatal_once_and_prints_otherwise(
         tmp_path, monkeypatch, capsys):
-    from hvd_resilient.checkpoint.store import StoreConfigError, TransientStoreError
+    from hvd_resilient.checkpoint.stores import StoreConfigError, TransientStoreError
     from hvd_resilient.errors import ConfigError, exit_on_error
     from hvd_resilient.events import EventLog
 

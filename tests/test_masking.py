@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from hvd_resilient.checkpoint.store import StoreConfigError, open_store, redact_url
+from hvd_resilient.checkpoint.stores import StoreConfigError, open_store, redact_url
 from hvd_resilient.config import TrainConfig
 from hvd_resilient.events import EventLog
 from hvd_resilient.masking import (

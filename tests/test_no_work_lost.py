@@ -164,7 +164,7 @@ def test_rank0_killed_between_files_and_manifest_the_checkpoint_is_redone(
     _, discover = write_discovery(tmp_path, "localhost:3")
     cmd = horovodrun_elastic(discover, 3, 2, 3, "--gloo-timeout-seconds", "45",
                              "--blacklist-cooldown-range", "30", "40")
-    cmd[:1] = [PYTHON, "-m", "hvd_resilient.launch.horovod_driver"]
+    cmd[:1] = [PYTHON, "-m", "hvd_resilient.launch.horovod.driver"]
     job = jobs.start(cmd + [PYTHON, DIGITS, "--run-dir", str(run), "--checkpoint-url",
                             ckpt.as_uri(), "--epochs", "100", "--max-steps", "60",
                             "--checkpoint-every", "10", "--commit-every", "10",

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from hvd_resilient import peer_watch, tcp_sockets
-from hvd_resilient.faults import FaultPlan
+from hvd_resilient.backends.horovod.detect import peer_watch, tcp_sockets
+from hvd_resilient.training.faults import FaultPlan
 
 
 @pytest.fixture
@@ -106,7 +106,7 @@ def test_stall_fault_sleeps_and_does_not_raise(tmp_path):
 
 
 def test_driver_watch_calls_lost_after_consecutive_failed_probes():
-    from hvd_resilient import driver_watch
+    from hvd_resilient.backends.horovod.detect import driver_watch
 
     server = socket.create_server(("127.0.0.1", 0))
     address = server.getsockname()[:2]

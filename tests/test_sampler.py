@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from hvd_resilient.sampler import ElasticDataSampler
+from hvd_resilient.state.sampler import ElasticDataSampler
 
 
 def run_epoch(sampler: ElasticDataSampler, sizes: list[int], batch: int) -> list[int]:

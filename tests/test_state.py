@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from hvd_resilient import rng
+from hvd_resilient.backends.horovod.state import ElasticState
 from hvd_resilient.checkpoint.serialize import from_bytes, to_bytes
-from hvd_resilient.sampler import ElasticDataSampler
-from hvd_resilient.state import ElasticState
+from hvd_resilient.state import rng
+from hvd_resilient.state.sampler import ElasticDataSampler
 
 
 @pytest.fixture(scope="module", autouse=True)

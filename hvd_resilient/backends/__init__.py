@@ -26,15 +26,15 @@ def get(name: str | None = None, *, fsdp: bool = False) -> Backend:
     (torchrun only: asking for it on Horovod is a ConfigError, before anything starts)."""
     name = name or detect()
     if fsdp and name in NAMES:
-        from hvd_resilient.fsdp import require_torchrun
+        from hvd_resilient.backends.torchrun.fsdp import require_torchrun
 
         require_torchrun(name)
     if name == "horovod":
-        from hvd_resilient.backends.horovod import HorovodBackend
+        from hvd_resilient.backends.horovod.backend import HorovodBackend
 
         return HorovodBackend()
     if name == "torchrun":
-        from hvd_resilient.backends.torch_dist import TorchDistBackend
+        from hvd_resilient.backends.torchrun.backend import TorchDistBackend
 
         return TorchDistBackend(fsdp=fsdp)
     raise ConfigError(f"backend must be one of {', '.join(NAMES)}, got {name!r}")

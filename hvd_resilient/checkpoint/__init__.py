@@ -20,7 +20,7 @@ from hvd_resilient.checkpoint.serialize import (
     to_buffer,
     to_bytes,
 )
-from hvd_resilient.checkpoint.store import (
+from hvd_resilient.checkpoint.stores import (
     CheckpointStore,
     SizeMismatchError,
     StoreConfigError,

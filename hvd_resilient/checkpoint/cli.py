@@ -22,7 +22,7 @@ from hvd_resilient.checkpoint.manager import (
     default_supersede_tag,
 )
 from hvd_resilient.checkpoint.manifest import SHARDED, CheckpointInfo, step_dir
-from hvd_resilient.checkpoint.store import StoreError, redact_url
+from hvd_resilient.checkpoint.stores import StoreError, redact_url
 
 HEADER = ("STEP", "EPOCH", "WORLD", "CREATED (UTC)", "SIZE", "FILES", "LAYOUT", "STATE")
 

@@ -47,7 +47,7 @@ from hvd_resilient.checkpoint.manifest import (
     parse_step_dir,
     step_dir,
 )
-from hvd_resilient.checkpoint.store import (
+from hvd_resilient.checkpoint.stores import (
     Buffer,
     CheckpointStore,
     SizeMismatchError,

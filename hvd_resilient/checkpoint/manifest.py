@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
-from hvd_resilient.checkpoint.store import validate_key
+from hvd_resilient.checkpoint.stores import validate_key
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "hvd_resilient.checkpoint/2"

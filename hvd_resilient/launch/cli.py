@@ -19,7 +19,7 @@ from typing import Any
 from hvd_resilient.config import TrainConfig, load_file, refuse_credentials, refuse_unknown
 from hvd_resilient.errors import SUPERVISED_ENV, ConfigError, LaunchError
 from hvd_resilient.launch.commands import horovodrun_static, mpirun_command, torchrun_command
-from hvd_resilient.launch.horovod import ElasticLaunch, horovodrun_command
+from hvd_resilient.launch.horovod.command import ElasticLaunch, horovodrun_command
 from hvd_resilient.launch.supervisor import Supervisor
 from hvd_resilient.masking import has_credentials, mask_env, mask_text, mask_url
 
@@ -321,7 +321,7 @@ def check_discovery(script: str) -> None:
 
 def check_store(url: str) -> None:
     """Missing bucket, bad credentials: one line now, not a crash on every rank later."""
-    from hvd_resilient.checkpoint.store import StoreError, open_store
+    from hvd_resilient.checkpoint.stores import StoreError, open_store
 
     try:
         open_store(url).list("")
@@ -333,7 +333,7 @@ def fresh_start(url: str) -> str:
     """--fresh-start: the run's checkpoints set aside (never deleted), before the first launch
     only. Returns the line that says where they went."""
     from hvd_resilient.checkpoint.manager import CheckpointError, CheckpointManager
-    from hvd_resilient.checkpoint.store import StoreError
+    from hvd_resilient.checkpoint.stores import StoreError
 
     shown = mask_url(url)
     try:
@@ -361,7 +361,7 @@ def main(argv: list[str]) -> int:
         "HVD_RESILIENT_CHECKPOINT_URL": opts["checkpoint"], SUPERVISED_ENV: "1",
     })
     if opts["backend"] == "horovod" and not opts["slot_hosts"]:
-        env["HVD_RESILIENT_SLOT_HOSTS"] = "0"  # read by the driver (launch/horovod_driver)
+        env["HVD_RESILIENT_SLOT_HOSTS"] = "0"  # read by the driver (launch/horovod/driver.py)
     forwarded = sorted(k for k in env if k.startswith(FORWARDED_PREFIXES))
     cmd = launcher_command(opts, forwarded)
     if opts["dry_run"]:

@@ -25,11 +25,11 @@ def hosts_arg(hosts: list[tuple[str, int]]) -> str:
 
 def horovodrun_static(np: int, hosts: list[tuple[str, int]] | None,
                       network_interface: str | None, train_cmd: list[str]) -> list[str]:
-    """horovodrun's arguments, run through `hvd_resilient.launch.horovod_driver` (Horovod's
+    """horovodrun's arguments, run through `hvd_resilient.launch.horovod.driver` (Horovod's
     launcher in-process): a failed worker ends in one line instead of the launcher's
     traceback, and in none when the worker stopped on a fatal error it reported itself."""
     require("horovodrun", "run `make install` or activate .venv")  # Horovod is installed
-    cmd = [sys.executable, "-m", "hvd_resilient.launch.horovod_driver", "-np", str(np), "--gloo"]
+    cmd = [sys.executable, "-m", "hvd_resilient.launch.horovod.driver", "-np", str(np), "--gloo"]
     if hosts:
         cmd += ["-H", hosts_arg(hosts)]
     if network_interface:

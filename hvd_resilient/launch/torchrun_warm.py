@@ -51,8 +51,8 @@ def _warm_up() -> bool:
     import torch
     import torch._dynamo  # noqa: F401 - see the module docstring
 
-    import hvd_resilient.backends.torch_dist  # noqa: F401
-    import hvd_resilient.trainer  # noqa: F401
+    import hvd_resilient.backends.torchrun.backend  # noqa: F401
+    import hvd_resilient.training.trainer  # noqa: F401
 
     return not torch.cuda.is_initialized()
 

@@ -187,7 +187,7 @@ def test_reset_limit_reached_stops_the_job_with_horovods_message(chaos):
 # -- 5. the driver dies --------------------------------------------------------------------
 def driver_of(run: ElasticRun) -> psutil.Process:
     """The supervisor's one child: horovodrun's driver (run in-process by
-    `python -m hvd_resilient.launch.horovod_driver`)."""
+    `python -m hvd_resilient.launch.horovod.driver`)."""
     kids = psutil.Process(run.job.proc.pid).children()
     assert len(kids) == 1, f"expected one launcher under the supervisor: {kids}"
     assert "horovod" in " ".join(kids[0].cmdline()), kids[0].cmdline()

@@ -9,8 +9,9 @@ model holds; the tests rebuild that history from the file (`assert_exactly_once`
 the step rather than at the commit matters: a rank killed between its peers' save and its own
 would otherwise leave committed work unrecorded.
 
-With --checkpoint-url the job also writes durable checkpoints (hvd_resilient.durable, as the
-Trainer does) every --checkpoint-every steps and resumes from the newest verified one on start.
+With --checkpoint-url the job also writes durable checkpoints (hvd_resilient.training.durable,
+as the Trainer does) every --checkpoint-every steps and resumes from the newest verified one on
+start.
 --ballast-mb adds a buffer of that size to the model: a checkpoint big enough to take a while to
 upload.
 """
@@ -28,13 +29,13 @@ from torch import nn
 
 import hvd_resilient
 from hvd_resilient import log
-from hvd_resilient.backends.horovod import HorovodBackend
+from hvd_resilient.backends.horovod.backend import HorovodBackend
+from hvd_resilient.backends.horovod.state import ElasticState
 from hvd_resilient.config import TrainConfig
-from hvd_resilient.durable import DurableCheckpoints
 from hvd_resilient.events import EventLog
-from hvd_resilient.faults import ENV, FaultPlan
-from hvd_resilient.sampler import ElasticDataSampler
-from hvd_resilient.state import ElasticState
+from hvd_resilient.state.sampler import ElasticDataSampler
+from hvd_resilient.training.durable import DurableCheckpoints
+from hvd_resilient.training.faults import ENV, FaultPlan
 
 N_SAMPLES = 2048
 BATCH = 16

@@ -22,11 +22,11 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from hvd_resilient import fsdp  # noqa: E402
+from hvd_resilient.backends.torchrun import fsdp  # noqa: E402
 from hvd_resilient.config import TrainConfig  # noqa: E402
-from hvd_resilient.durable_sharded import ShardedDurableCheckpoints  # noqa: E402
 from hvd_resilient.errors import exit_on_error  # noqa: E402
-from hvd_resilient.trainer import Trainer  # noqa: E402
+from hvd_resilient.training.durable_sharded import ShardedDurableCheckpoints  # noqa: E402
+from hvd_resilient.training.trainer import Trainer  # noqa: E402
 
 
 def data(n: int = 640) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Any
 
-from hvd_resilient import tcp_sockets
+from hvd_resilient.backends.horovod.detect import tcp_sockets
 from hvd_resilient.log import get
 
 log = get("peer_watch")

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
-from hvd_resilient.checkpoint.store import (
+from hvd_resilient.checkpoint.stores.base import (
     CheckpointStore,
     Feed,
     SizeMismatchError,

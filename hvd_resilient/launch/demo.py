@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from hvd_resilient.errors import LaunchError
-from hvd_resilient.launch.horovod import ElasticLaunch, horovodrun_command
+from hvd_resilient.launch.horovod.command import ElasticLaunch, horovodrun_command
 
 REPO = Path(__file__).resolve().parent.parent
 

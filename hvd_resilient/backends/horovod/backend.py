@@ -8,9 +8,11 @@ from typing import Any
 import horovod.torch as hvd
 import torch
 
-from hvd_resilient import elastic, hvd_init, slot_hosts
 from hvd_resilient.backends.base import Backend
-from hvd_resilient.state import ElasticState
+from hvd_resilient.backends.horovod import init as hvd_init
+from hvd_resilient.backends.horovod import run as elastic
+from hvd_resilient.backends.horovod import slots as slot_hosts
+from hvd_resilient.backends.horovod.state import ElasticState
 
 
 class HorovodBackend(Backend):

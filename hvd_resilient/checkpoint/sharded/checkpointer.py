@@ -38,7 +38,6 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from hvd_resilient.checkpoint.file_store import FileStore
 from hvd_resilient.checkpoint.manager import (
     CheckpointError,
     CheckpointManager,
@@ -55,7 +54,7 @@ from hvd_resilient.checkpoint.manifest import (
     step_dir,
 )
 from hvd_resilient.checkpoint.serialize import TensorSpec, check_state_dict
-from hvd_resilient.checkpoint.store import Buffer, StoreError
+from hvd_resilient.checkpoint.stores import Buffer, StoreError
 
 logger = logging.getLogger(__name__)
 
@@ -328,9 +327,8 @@ class ShardedCheckpointer:
     def _fetch(self, info: CheckpointInfo, tmp: str) -> tuple[str, str]:
         """A local folder holding ``info``'s files, each checked against the manifest, and
         the first problem found ("" when all match). A file:// store is checked in place."""
-        store = self.manager.store
-        if isinstance(store, FileStore):
-            folder = os.path.join(store.root, *info.prefix.split("/"))
+        folder = self.manager.store.local_path(info.prefix)
+        if folder is not None:
             for name, entry in sorted(info.files.items()):
                 problem = _check_file(os.path.join(folder, *name.split("/")), name, entry)
                 if problem:
@@ -350,7 +348,11 @@ class ShardedCheckpointer:
     def _load(self, info: CheckpointInfo, folder: str, state: dict[str, Any]) -> None:
         import torch.distributed.checkpoint as dcp
 
-        from hvd_resilient.checkpoint.dcp_safe import SafeLoadPlanner, SafeReader, read_metadata
+        from hvd_resilient.checkpoint.sharded.dcp_safe import (
+            SafeLoadPlanner,
+            SafeReader,
+            read_metadata,
+        )
 
         try:
             check_fits(state, read_metadata(folder).state_dict_metadata)

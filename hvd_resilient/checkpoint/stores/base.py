@@ -16,7 +16,6 @@ import random
 import time
 from collections.abc import Callable, Iterable
 from typing import TypeVar
-from urllib.parse import urlsplit
 
 from hvd_resilient.checkpoint.host_buffers import allocate
 from hvd_resilient.masking import mask_text, mask_url
@@ -288,6 +287,11 @@ class CheckpointStore(abc.ABC):
         validate_key(key)
         return self._retry("exists", key, lambda: self._exists(key))
 
+    def local_path(self, key: str) -> str | None:
+        """A path on this machine's filesystem holding ``key``, when the store is one (then
+        readers may work in place instead of downloading); ``None`` otherwise."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook, most backends hold nothing
         """Release connections and threads; the store must not be used afterwards."""
 
@@ -370,46 +374,3 @@ class CheckpointStore(abc.ABC):
                     op, self.url, what, e, attempt, self.retries, delay,
                 )
                 time.sleep(delay)
-
-
-def open_store(url: str, **options: object) -> CheckpointStore:
-    """Open the store behind a checkpoint URL.
-
-    ``file:///abs/path`` and plain paths give a :class:`FileStore`; ``s3://bucket/prefix`` an
-    :class:`S3Store` (``options`` go to its constructor: ``endpoint_url``, ``sse``, ...).
-
-    Raises:
-        StoreConfigError: unsupported scheme, credentials embedded in the URL, missing bucket,
-            or (S3) anything the backend's startup check finds wrong.
-    """
-    if not isinstance(url, str) or not url.strip():
-        raise StoreConfigError("checkpoint URL is empty; use file:///path or s3://bucket/prefix")
-    try:
-        parts = urlsplit(url)
-    except ValueError as e:
-        raise StoreConfigError(f"checkpoint URL {redact_url(url)!r} is malformed: {e}") from None
-    scheme = parts.scheme.lower()
-    if parts.username is not None or parts.password is not None:
-        # Secrets in a URL end up in shell history, process lists and logs: refuse them.
-        raise StoreConfigError(
-            f"checkpoint URL {redact_url(url)!r} embeds credentials; use the AWS credential "
-            "chain (AWS_ACCESS_KEY_ID / AWS_PROFILE / instance role) instead"
-        )
-    if scheme == "file" or (scheme == "" and url):
-        from hvd_resilient.checkpoint.file_store import FileStore
-
-        if scheme == "file" and parts.netloc not in ("", "localhost"):
-            raise StoreConfigError(
-                f"file URL {url!r} names host {parts.netloc!r}; use file:///absolute/path"
-            )
-        return FileStore(parts.path if scheme == "file" else url, **options)  # type: ignore[arg-type]
-    if scheme == "s3":
-        from hvd_resilient.checkpoint.s3_store import S3Store
-
-        if not parts.netloc:
-            raise StoreConfigError(f"S3 URL {url!r} has no bucket; use s3://bucket/prefix")
-        return S3Store(parts.netloc, parts.path.strip("/"), **options)  # type: ignore[arg-type]
-    raise StoreConfigError(
-        f"unsupported checkpoint URL scheme {scheme!r} in {redact_url(url)!r}; "
-        "use file:///path or s3://bucket/prefix"
-    )

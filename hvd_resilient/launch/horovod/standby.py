@@ -2,13 +2,13 @@
 
 Horovod starts the workers of an added host (or a slot back from its cooldown) only after the
 running workers have stopped at a reset, so they sit idle for the newcomer's cold start (Python,
-torch, Horovod: 5-20 s). `horovod_driver` starts the newcomer early through this module: it
+torch, Horovod: 5-20 s). `launch.horovod.driver` starts the newcomer early through this module: it
 imports torch and Horovod, says it is ready through the driver's key-value store, and waits for
 the driver's go (given when the new world is formed); only then does the training script run, in
 this same process, with its imports already paid for. Without a Horovod driver around (no
 rendezvous address), or when the command is not this Python, it just runs the command.
 
-    python -m hvd_resilient.launch.standby python train.py ARGS
+    python -m hvd_resilient.launch.horovod.standby python train.py ARGS
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def run_in_process(cmd: list[str]) -> None:
 def main() -> None:
     cmd = sys.argv[1:]
     if not cmd:
-        sys.exit("usage: python -m hvd_resilient.launch.standby COMMAND [ARGS]")
+        sys.exit("usage: python -m hvd_resilient.launch.horovod.standby COMMAND [ARGS]")
     if "HOROVOD_GLOO_RENDEZVOUS_ADDR" not in os.environ or not runnable_here(cmd):
         os.execvp(cmd[0], cmd)
     key = f"{os.environ['HOROVOD_HOSTNAME']}:{os.environ['HOROVOD_LOCAL_RANK']}"
@@ -113,7 +113,7 @@ def main() -> None:
     import torch  # noqa: F401
     import torch._dynamo  # noqa: F401
 
-    import hvd_resilient.elastic  # noqa: F401 - and ours, which every training script imports
+    import hvd_resilient.backends.horovod.run  # noqa: F401 - and ours, which every training script imports
 
     go = _url(GO, key)
     deadline = time.monotonic() + MAX_WAIT_S

@@ -19,11 +19,11 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.elastic.state import StateHandler, TorchState
 
-from hvd_resilient import rng
 from hvd_resilient.events import EventLog
 from hvd_resilient.log import get
-from hvd_resilient.sampler import ElasticDataSampler
-from hvd_resilient.state_core import StateCore
+from hvd_resilient.state import rng
+from hvd_resilient.state.core import StateCore
+from hvd_resilient.state.sampler import ElasticDataSampler
 
 log = get("state")
 

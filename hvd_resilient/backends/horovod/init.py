@@ -18,7 +18,8 @@ from typing import Any
 
 import horovod.torch as hvd
 
-from hvd_resilient import determinism
+from hvd_resilient.backends import determinism
+from hvd_resilient.backends.horovod.compat import check_compatible
 
 
 def launched_by_mpi(env: dict[str, str] | os._Environ[str] = os.environ) -> bool:
@@ -28,6 +29,7 @@ def launched_by_mpi(env: dict[str, str] | os._Environ[str] = os.environ) -> bool
 
 
 def init(comm: Any | None = None) -> None:
+    check_compatible(driver=False)
     determinism.apply(determinism.enabled())  # before hvd.init: Horovod reads it there
     if comm is None and launched_by_mpi():
         from mpi4py import MPI

@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import Iterator
 
-from hvd_resilient.checkpoint.store import (
+from hvd_resilient.checkpoint.stores.base import (
     CheckpointStore,
     Feed,
     SizeMismatchError,
@@ -97,6 +97,9 @@ class FileStore(CheckpointStore):
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *key.split("/"))
+
+    def local_path(self, key: str) -> str | None:
+        return self._path(key)
 
     def _err(self, e: OSError, key: str) -> StoreError:
         where = f"{self.url}/{key}"

@@ -62,7 +62,7 @@ class ElasticLaunch:
 def horovodrun_command(launch: ElasticLaunch, train_cmd: list[str]) -> list[str]:
     if launch.slot_hosts:
         require("horovodrun", "run `make install` (or activate .venv)")  # Horovod is there
-        exe = [sys.executable, "-m", "hvd_resilient.launch.horovod_driver"]
+        exe = [sys.executable, "-m", "hvd_resilient.launch.horovod.driver"]
     else:
         exe = [require("horovodrun", "run `make install` (or activate .venv)")]
     cmd = [

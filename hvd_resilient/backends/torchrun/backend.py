@@ -23,9 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hvd_resilient import determinism
+from hvd_resilient.backends import determinism
 from hvd_resilient.backends.base import Backend
-from hvd_resilient.torchrun_state import TorchrunState
+from hvd_resilient.backends.torchrun.state import TorchrunState
 
 INIT_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("HVD_RESILIENT_PG_TIMEOUT", "300")))
 
@@ -65,7 +65,7 @@ class TorchDistBackend(Backend):
 
     def wrap(self, model: Any, optimizer: Any) -> tuple[Any, Any]:
         if self.fsdp:
-            from hvd_resilient import fsdp
+            from hvd_resilient.backends.torchrun import fsdp
 
             if determinism.enabled() and self.rank() == 0:
                 from hvd_resilient.log import get

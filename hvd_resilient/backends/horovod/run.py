@@ -19,9 +19,11 @@ import torch
 from horovod.common.elastic import notification_manager
 from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 
-from hvd_resilient import driver_watch, peer_watch
+from hvd_resilient.backends.horovod import slots
+from hvd_resilient.backends.horovod.detect import driver_watch, peer_watch
+from hvd_resilient.backends.horovod.state import ElasticState, is_elastic
+from hvd_resilient.backends.threads import share_cores
 from hvd_resilient.log import get
-from hvd_resilient.state import ElasticState, is_elastic
 
 log = get("elastic")
 T = TypeVar("T")
@@ -98,9 +100,13 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
 def _arm(watch: peer_watch.PeerWatch, state: ElasticState) -> None:
     """Every rank publishes its connections; a collective, so a failure here is caught like
     any other."""
-    everyone = hvd.allgather_object(peer_watch.local_connections())
-    watched = watch.arm(everyone, hvd.rank())
+    machine = slots.machine()
+    everyone = hvd.allgather_object((peer_watch.local_connections(), machine))
+    watched = watch.arm([conns for conns, _ in everyone], hvd.rank())
     if watched == 0 and hvd.size() > 1:
         log.warning("no Gloo connections found to watch; failures are detected at the Gloo "
                     "timeout only")
-    state.events.emit("watch", connections=watched)
+    # With slot hosts every worker is alone on its "host" (hvd.local_size() == 1): count the
+    # workers on this machine from what every rank just said, at every (re)start.
+    threads = share_cores(sum(m == machine for _, m in everyone))
+    state.events.emit("watch", connections=watched, threads=threads)

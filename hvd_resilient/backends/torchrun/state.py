@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from hvd_resilient.events import EventLog
-from hvd_resilient.sampler import ElasticDataSampler
-from hvd_resilient.state_core import StateCore
+from hvd_resilient.state.core import StateCore
+from hvd_resilient.state.sampler import ElasticDataSampler
 
 
 class TorchrunState(StateCore):

@@ -13,9 +13,9 @@ import hashlib
 from collections.abc import Callable
 from typing import Any
 
-from hvd_resilient import rng
 from hvd_resilient.events import EventLog
 from hvd_resilient.log import get
+from hvd_resilient.state import rng
 
 log = get("state")
 

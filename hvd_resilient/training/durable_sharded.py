@@ -14,18 +14,19 @@ import datetime
 import time
 from typing import Any
 
-from hvd_resilient import fsdp, rng
 from hvd_resilient.backends.base import Backend
+from hvd_resilient.backends.torchrun import fsdp
 from hvd_resilient.checkpoint.manager import CheckpointError
 from hvd_resilient.checkpoint.serialize import from_bytes, to_buffer
-from hvd_resilient.checkpoint.sharded import ShardedCheckpointer
-from hvd_resilient.checkpoint.store import redact_url
+from hvd_resilient.checkpoint.sharded.checkpointer import ShardedCheckpointer
+from hvd_resilient.checkpoint.stores import redact_url
 from hvd_resilient.config import TrainConfig
-from hvd_resilient.durable import DurableCheckpoints
 from hvd_resilient.errors import ResumeError
 from hvd_resilient.events import EventLog
 from hvd_resilient.log import get
-from hvd_resilient.state_core import StateCore
+from hvd_resilient.state import rng
+from hvd_resilient.state.core import StateCore
+from hvd_resilient.training.durable import DurableCheckpoints
 
 log = get("durable")
 

@@ -1,4 +1,4 @@
-"""`horovodrun`, taught two things: `python -m hvd_resilient.launch.horovod_driver ARGS`.
+"""`horovodrun`, taught two things: `python -m hvd_resilient.launch.horovod.driver ARGS`.
 
 Takes exactly `horovodrun`'s arguments and runs Horovod's own launcher in this process, after
 teaching it
@@ -38,9 +38,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from hvd_resilient import slot_hosts
-from hvd_resilient.errors import FATAL_EXIT_CODE
-from hvd_resilient.launch import standby as standby_mod
+from hvd_resilient.backends.horovod import slots as slot_hosts
+from hvd_resilient.backends.horovod.compat import check_compatible
+from hvd_resilient.errors import FATAL_EXIT_CODE, LaunchError
+from hvd_resilient.launch.horovod import standby as standby_mod
 
 logger = logging.getLogger("hvd_resilient.launch")
 
@@ -180,7 +181,7 @@ def install_standby(ready_timeout_s: float = 120.0) -> None:
     def run_elastic_with_standby(args: Any) -> Any:
         cmd = list(args.command or [])
         if cmd and standby_mod.same_python(cmd[0]):
-            args.command = [cmd[0], "-m", "hvd_resilient.launch.standby", *cmd]
+            args.command = [cmd[0], "-m", "hvd_resilient.launch.horovod.standby", *cmd]
         return run_elastic(args)
 
     launch._run_elastic = run_elastic_with_standby
@@ -351,6 +352,10 @@ def main(argv: list[str] | None = None) -> None:
 
     install_log_scrubber()
     since = time.time()
+    try:  # before any patch: an untested Horovod stops here, not minutes into the job
+        check_compatible(driver=True)
+    except LaunchError as e:
+        sys.exit(f"hvd-resilient: launcher: {e}")
     set_discovery_interval()
     install_discovery_check()  # first: the slot split below wraps the checked answer
     if os.environ.get(ENV, "1") != "0":

@@ -35,3 +35,11 @@ def local_rank(env: dict[str, str] | os._Environ[str] = os.environ) -> int | Non
         return int(name.rsplit(SEP, 1)[1])
     except ValueError:
         return None
+
+
+def machine(env: dict[str, str] | os._Environ[str] = os.environ) -> str:
+    """The real host this worker runs on (its slot host's machine; the local name outside a
+    launcher), for counting the workers that share its cores."""
+    import socket
+
+    return real_host(env.get("HOROVOD_HOSTNAME") or socket.gethostname())

@@ -1,0 +1,114 @@
+"""The one gate in front of Horovod's private internals.
+
+The launcher patches (slot hosts, standby workers, the fatal stop, the discovery check) and the
+worker side (the elastic state, the host-update queue) use names Horovod does not promise to
+keep. They were written against one release; on another, a renamed method would fail minutes
+into a job in a driver thread, or a guard would silently skip a patch (and hand ssh a
+``host+0`` name). ``check_compatible()`` runs before any patch and stops with one line naming
+the first missing piece.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+
+from hvd_resilient.errors import LaunchError
+
+TESTED_VERSIONS = ("0.28.1",)
+"""Horovod releases the patches were written and tested against."""
+
+DRIVER_TARGETS = (
+    # (module, dotted attribute): launcher side, `launch/horovod/driver.py`
+    ("horovod.runner.util.network", "resolve_host_address"),
+    ("horovod.runner.util.remote", "get_remote_command"),
+    ("horovod.runner.gloo_run", "get_remote_command"),
+    ("horovod.runner.launch", "get_remote_command"),
+    ("horovod.runner.launch", "_run_elastic"),
+    ("horovod.runner.launch", "run_commandline"),
+    ("horovod.runner.driver.driver_service", "get_remote_command"),
+    ("horovod.runner.elastic.discovery", "HostDiscoveryScript.find_available_hosts_and_slots"),
+    ("horovod.runner.elastic.discovery", "HostDiscoveryScript._execute_discovery_script"),
+    ("horovod.runner.elastic.discovery", "FixedHosts.find_available_hosts_and_slots"),
+    ("horovod.runner.elastic.driver", "DISCOVER_HOSTS_FREQUENCY_SECS"),
+    ("horovod.runner.elastic.driver", "ElasticDriver._notify_workers_host_changes"),
+    ("horovod.runner.elastic.driver", "ElasticDriver._start_worker_processes"),
+    ("horovod.runner.elastic.driver", "ElasticDriver._start_worker_process"),
+    ("horovod.runner.elastic.driver", "ElasticDriver._handle_worker_exit"),
+    ("horovod.runner.elastic.driver", "ElasticDriver._get_host_assignments"),
+    ("horovod.runner.elastic.driver", "ElasticDriver.stop"),
+    ("horovod.runner.elastic.driver", "ElasticDriver.finished"),
+    ("horovod.runner.elastic.registration", "WorkerStateRegistry._wait"),
+    ("horovod.runner.http.http_server", "RendezvousHTTPServer.handle_error"),
+)
+DRIVER_FIELDS = (
+    # (module, class, instance attribute set in __init__)
+    ("horovod.runner.elastic.driver", "ElasticDriver", "_rendezvous"),
+    ("horovod.runner.elastic.driver", "ElasticDriver", "_host_assignments"),
+    ("horovod.runner.elastic.driver", "ElasticDriver", "_host_manager"),
+    ("horovod.runner.elastic.driver", "ElasticDriver", "_min_num_proc"),
+    ("horovod.runner.elastic.driver", "ElasticDriver", "_wait_hosts_cond"),
+    ("horovod.runner.elastic.driver", "ElasticDriver", "_worker_registry"),
+    ("horovod.runner.elastic.discovery", "HostDiscoveryScript", "_discovery_script"),
+    ("horovod.runner.elastic.discovery", "HostDiscoveryScript", "_default_slots"),
+    ("horovod.runner.http.http_server", "RendezvousHTTPServer", "cache"),
+    ("horovod.runner.http.http_server", "RendezvousHTTPServer", "cache_lock"),
+)
+WORKER_TARGETS = (
+    # worker side: `backends/horovod/state.py` and `run.py`
+    ("horovod.torch.elastic.state", "TorchState"),
+    ("horovod.torch.elastic.state", "StateHandler"),
+    ("horovod.common.elastic", "notification_manager"),
+    ("horovod.common.exceptions", "HorovodInternalError"),
+    ("horovod.common.exceptions", "HostsUpdatedInterrupt"),
+)
+WORKER_FIELDS = (
+    ("horovod.torch.elastic.state", "TorchState", "_handlers"),
+    ("horovod.common.elastic", "State", "_host_messages"),
+)
+
+
+def _missing(targets: tuple[tuple[str, str], ...],
+             fields: tuple[tuple[str, str, str], ...]) -> list[str]:
+    out = []
+    for module, dotted in targets:
+        try:
+            obj: object = importlib.import_module(module)
+            for part in dotted.split("."):
+                obj = getattr(obj, part)
+        except (ImportError, AttributeError):
+            out.append(f"{module}.{dotted}")
+    for module, cls, attr in fields:
+        try:
+            klass = getattr(importlib.import_module(module), cls)
+            init = inspect.getsource(klass.__init__)
+        except (ImportError, AttributeError, OSError, TypeError):
+            out.append(f"{module}.{cls}")
+            continue
+        if not re.search(rf"self\.{re.escape(attr)}\s*[,=]", init):
+            out.append(f"{module}.{cls}().{attr}")
+    return out
+
+
+def check_compatible(*, driver: bool) -> str:
+    """Returns the Horovod version; raises LaunchError (one line) on an untested release or a
+    missing target. ``driver``: check the launcher-side targets too."""
+    try:
+        import horovod
+    except ImportError:
+        raise LaunchError("Horovod is not installed; run `make install` "
+                          "(scripts/install.sh builds it)") from None
+    version = str(getattr(horovod, "__version__", "?"))
+    if version not in TESTED_VERSIONS:
+        raise LaunchError(f"Horovod {version} is not a tested release (tested: "
+                          f"{', '.join(TESTED_VERSIONS)}); install horovod[pytorch]=="
+                          f"{TESTED_VERSIONS[-1]} (`make install`)")
+    missing = _missing(WORKER_TARGETS, WORKER_FIELDS)
+    if driver:
+        missing += _missing(DRIVER_TARGETS, DRIVER_FIELDS)
+    if missing:
+        raise LaunchError(f"Horovod {version} lacks {missing[0]}"
+                          + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                          + ", which hvd_resilient patches; reinstall with `make install`")
+    return version

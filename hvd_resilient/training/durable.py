@@ -1,0 +1,338 @@
+"""Durable checkpoints of a training state: what survives the loss of the whole job.
+
+Only rank 0 writes to the store. A save is one collective (every rank's random streams are
+gathered, since a bit-identical resume needs them all), then rank 0 copies the tensors to host
+memory inside the step and hands the copy to a background writer: the other ranks never wait
+for S3, and rank 0 waits only for the copy. On start, rank 0 reads the newest checkpoint
+(Horovod: a sync spreads it) or every rank does (torchrun: all workers start together).
+
+A step counts as saved only once its manifest is published and every rank has learned so
+(``state.ckpt_published``, exchanged at the next commit): an upload that dies with rank 0 is
+redone by the next rank 0 after the reset (:meth:`_after_sync`), and the run does not end
+before its final checkpoint is published (:meth:`finish`). A failed start (a checkpoint that
+does not fit, a store that stays unreachable, checkpoints that a --no-resume run would
+overwrite) is recorded in the state and stops every rank at the first sync.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from hvd_resilient.backends.base import Backend
+from hvd_resilient.checkpoint.host_buffers import pool
+from hvd_resilient.checkpoint.manager import CheckpointManager
+from hvd_resilient.checkpoint.manifest import REPLICATED, CheckpointInfo
+from hvd_resilient.checkpoint.serialize import check_state_dict
+from hvd_resilient.checkpoint.split import (
+    LEGACY_FILE,
+    decode_file,
+    join_state,
+    split_state,
+    warm_buffers,
+)
+from hvd_resilient.checkpoint.stores import StoreError, TransientStoreError, redact_url
+from hvd_resilient.checkpoint.writer import AsyncCheckpointWriter
+from hvd_resilient.config import TrainConfig
+from hvd_resilient.errors import HvdResilientError, ResumeError
+from hvd_resilient.events import EventLog
+from hvd_resilient.log import get
+from hvd_resilient.state import rng
+from hvd_resilient.state.core import StateCore
+from hvd_resilient.training.faults import FaultPlan
+
+log = get("durable")
+STATE_FILE = LEGACY_FILE
+
+
+class StartRefused(HvdResilientError):
+    """The job must not train: a start failed on some rank (the message says why)."""
+
+
+class FinalCheckpointError(HvdResilientError):
+    """The run reached its end but its final checkpoint could not be published. A relaunch
+    resumes from the newest published one, so this one is worth a restart."""
+
+    exit_code = 1
+
+
+class DurableCheckpoints:
+    """Durable checkpoints for a training state; custom loops use it like the trainer does::
+
+        checkpoints = DurableCheckpoints(cfg, state, events, backend)
+        checkpoints.start()          # every rank, before the (elastic) train function
+        ...                          # in the loop: if checkpoints.due(): checkpoints.save()
+        checkpoints.finish()         # every rank, at the end of the train function
+    """
+
+    def __init__(self, config: TrainConfig, state: StateCore, events: EventLog,
+                 backend: Backend, *, faults: FaultPlan | None = None) -> None:
+        self.config = config
+        self.backend = backend
+        self.state = state
+        self.events = events
+        self._faults = faults
+        self._manager: CheckpointManager | None = None
+        self._writer: AsyncCheckpointWriter | None = None
+        self._last_save_time: float | None = None
+        self._warm_started = False
+        state.on_sync(self._after_sync)
+        state.on_commit(self._before_commit)
+
+    @property
+    def last_saved_step(self) -> int:
+        """The newest step every rank knows is published (-1: none yet)."""
+        return self.state.ckpt_published
+
+    def _emit(self, name: str, fields: dict[str, Any]) -> None:
+        self.events.emit(name, **fields)
+
+    @property
+    def manager(self) -> CheckpointManager:
+        if self._manager is None:
+            self._manager = CheckpointManager(
+                self.config.checkpoint_url, keep_last=self.config.keep_last,
+                keep_every=self.config.keep_every, on_event=self._emit,
+            )
+            if self._faults is not None and self._faults.fires_at("upload"):
+                self._manager.publish = self._fault_before(self._manager.publish)  # type: ignore[method-assign]
+        return self._manager
+
+    def _fault_before(self, publish: Any) -> Any:
+        """Tests and chaos runs: an `at=upload` fault fires between the files and the manifest."""
+        faults, rank = self._faults, self.backend.rank()
+
+        def wrapped(step: int, *args: Any, **kwargs: Any) -> Any:
+            assert faults is not None
+            faults.maybe_fire(rank, step, at="upload")
+            return publish(step, *args, **kwargs)
+
+        return wrapped
+
+    @property
+    def writer(self) -> AsyncCheckpointWriter:
+        if self._writer is None:
+            self._writer = AsyncCheckpointWriter(self.manager, on_event=self._emit)
+        return self._writer
+
+    # -- start -----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Every rank, before training: resumes (rank 0 under Horovod, every rank under
+        torchrun) or refuses to start over existing checkpoints with --no-resume. A failure is
+        never raised here on one rank alone: it is recorded in the state, and the first sync
+        stops every rank with it (under torchrun the ranks agree on it right here)."""
+        error = ""
+        if self.backend.rank() == 0 or self.backend.resume_on_every_rank:
+            try:
+                if self.config.resume:
+                    self.resume()
+                else:
+                    self._refuse_existing()
+            except (HvdResilientError, StoreError) as e:
+                error = " ".join(str(e).split())
+                self.events.emit("fatal", error=error, restartable=False)
+        if self.backend.resume_on_every_rank:
+            errors = [e for e in self.backend.allgather_object(error) if e]
+            steps = set(self.backend.allgather_object(self.state.step))
+            if not errors and len(steps) > 1:
+                errors = [f"ranks resumed from different steps {sorted(steps)}: the store "
+                          "changed while they read it; relaunch"]
+            error = errors[0] if errors else ""
+        if error:
+            self.state.mark_fatal(error)
+
+    def _published_steps(self) -> list[int]:
+        """Steps whose folder holds a manifest, readable or not: a start from scratch would
+        write them again."""
+        scan = self.manager.scan()
+        return sorted([c.step for c in scan.checkpoints] + list(scan.invalid))
+
+    def _refuse_existing(self, why: str = "--no-resume was given") -> None:
+        """A run must not write a second history over the first one."""
+        steps = self._published_steps()
+        if steps:
+            raise ResumeError(
+                f"checkpoints exist at {redact_url(self.config.checkpoint_url)} (newest step "
+                f"{steps[-1]}) and {why}: they are never rewritten; resume from them, set them "
+                "aside with `hvd-resilient ckpt supersede URL` (or `hvd-resilient run "
+                "--fresh-start`), or use another --run-id")
+
+    def _load_latest(self) -> Any:
+        """`load_latest`, retried while the store is unreachable, up to store_wait_seconds:
+        a relaunch often races a store that restarts with it."""
+        deadline = time.monotonic() + self.config.store_wait_seconds
+        delay = 1.0
+        while True:
+            try:
+                return self.manager.load_latest(decode=decode_file)
+            except TransientStoreError as e:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StoreError(
+                        f"checkpoint store {redact_url(self.config.checkpoint_url)} unreachable "
+                        f"for {self.config.store_wait_seconds:g}s at start ({e}); not starting "
+                        "from scratch over its checkpoints") from None
+                log.warning("checkpoint store unreachable at start (%s); retrying for %.0fs",
+                            e, left)
+                time.sleep(min(delay, left))
+                delay = min(delay * 2, 10.0)
+
+    # -- resume ----------------------------------------------------------------------------
+    def resume(self) -> int | None:
+        """Loads the newest verified checkpoint into the state (rank 0 under Horovod, every
+        rank under torchrun). No collective here: under Horovod a worker that joins later runs
+        this code too, while the others wait in sync."""
+        found = self._load_latest()
+        if found is None:
+            self._refuse_existing("none of them verifies (see checkpoint_skipped events and "
+                                  "`hvd-resilient ckpt verify`)")
+            log.info("no checkpoint at %s: starting from scratch",
+                     redact_url(self.config.checkpoint_url))
+            return None
+        info, files = found
+        if info.layout != REPLICATED:
+            raise ResumeError(
+                f"checkpoint {redact_url(self.config.checkpoint_url)} step {info.step} is "
+                f"{info.layout} (written with fsdp at world size {info.world_size}); resume it "
+                "with --fsdp under torchrun, or start a new run id")
+        try:  # a manifest that verifies can still hold what this model cannot take
+            sd = join_state(files)
+            check_state_dict(self.state.model_state(), sd["model"])
+            self.state.load_checkpoint_state(sd)
+        except Exception as e:
+            lines = str(e).strip().splitlines() or [type(e).__name__]
+            more = f" (+{len(lines) - 1} more lines)" if len(lines) > 1 else ""
+            raise ResumeError(
+                f"checkpoint {redact_url(self.config.checkpoint_url)} step {info.step} cannot "
+                f"be loaded into this model: {lines[0].strip()}{more}") from None
+        return self._resumed(info)
+
+    def _resumed(self, info: CheckpointInfo) -> int:
+        """Bookkeeping once a checkpoint is in the state: the resume event and log line."""
+        self.state.ckpt_requested = self.state.ckpt_published = self.state.step
+        save = getattr(self.state, "save", None)
+        if save is not None:  # Horovod: the commit point the first sync spreads
+            save()
+        self._last_save_time = info.created
+        if self.backend.rank() == 0:
+            self.events.emit("resume", from_step=self.state.step, epoch=self.state.epoch,
+                             saved_world_size=info.world_size, layout=info.layout)
+        log.info("resumed from checkpoint step %d (epoch %d, saved at world size %d)",
+                 self.state.step, self.state.epoch, info.world_size)
+        return self.state.step
+
+    # -- save --------------------------------------------------------------------------------
+    def seconds_since_save(self) -> float | None:
+        """Time since the newest checkpoint this process handed to the store (what a crash
+        now would cost, at most)."""
+        return None if self._last_save_time is None else time.time() - self._last_save_time
+
+    def due(self) -> bool:
+        every, step = self.config.checkpoint_every, self.state.step
+        if every > 0 and step >= 1 and not self._warm_started:
+            self._start_warming()
+        return every > 0 and step % every == 0 and step != self.state.ckpt_requested
+
+    def _owed(self) -> bool:
+        """The durable checkpoint is a whole interval behind the state: a save lost with rank 0
+        (the survivors restored the commit before it), or skipped because a host change
+        interrupted the commit it follows. The same answer on every rank (synced state)."""
+        every, st = self.config.checkpoint_every, self.state
+        newest = max(st.ckpt_published, st.ckpt_requested)
+        return every > 0 and st.step > 0 and (
+            st.step - st.ckpt_published >= every and st.step != newest
+            or st.step - newest >= every)
+
+    def _after_sync(self) -> None:
+        """Every rank, after each sync: stop if the start failed anywhere; redo what a reset
+        lost."""
+        if self.state.fatal:
+            raise StartRefused(self.state.fatal)
+        if self._owed():
+            if self.backend.rank() == 0:
+                log.warning("durable checkpoint behind (newest published step %d, state at "
+                            "step %d): saving now", self.state.ckpt_published, self.state.step)
+            self.save()
+
+    def _before_commit(self) -> None:
+        """Learn what rank 0 published since the last commit, so the commit carries it."""
+        if self.state.ckpt_requested > self.state.ckpt_published:
+            self._confirm()
+
+    def _root_published(self) -> int:
+        """Rank 0: the newest step whose manifest this process published."""
+        last = self._writer.last_saved if self._writer is not None else None
+        return last.step if last is not None else -1
+
+    def _flush(self, timeout: float | None) -> bool:
+        """Rank 0: wait for the uploads in flight."""
+        return self._writer.wait(timeout) if self._writer is not None else True
+
+    def _confirm(self) -> None:
+        """Collective: every rank learns rank 0's newest published step."""
+        mine = self._root_published() if self.backend.rank() == 0 else -1
+        published = self.backend.allgather_object(mine)[0]
+        if published > self.state.ckpt_published:
+            self.state.ckpt_published = published
+
+    def finish(self) -> None:
+        """Every rank, at the end of training: the final state is saved and published before
+        anyone returns. A rank 0 lost during the upload fails this collective, and the next
+        rank 0 saves again after the reset; an upload that fails stops the run with an error
+        (a relaunch resumes from the newest published checkpoint)."""
+        for attempt in range(2):
+            if self.state.ckpt_requested != self.state.step or attempt:
+                self.save()
+            if self.backend.rank() == 0:
+                self._flush(None)
+            self._confirm()
+            if self.state.ckpt_published >= self.state.step:
+                return
+        raise FinalCheckpointError(
+            f"the final checkpoint (step {self.state.step}) could not be published to "
+            f"{redact_url(self.config.checkpoint_url)} (see checkpoint_failed in the event "
+            f"log); the newest published one is step {self.state.ckpt_published}")
+
+    def _start_warming(self) -> None:
+        """Rank 0, once the optimizer has its state (after the first step): fault in the
+        snapshot buffers on a background thread, so that the first checkpoint's copy does not
+        pay for fresh memory inside the step (see ``split.warm_buffers``)."""
+        self._warm_started = True
+        if self.backend.rank() != 0 or not pool().enabled:
+            return
+
+        def warm() -> None:
+            try:
+                n = warm_buffers(self.state.checkpoint_state([]))
+                log.debug("snapshot buffers warmed: %d bytes", n)
+            except Exception as e:  # the state changed under us: the first save pays instead
+                log.debug("snapshot buffers not warmed: %s", e)
+
+        threading.Thread(target=warm, name="ckpt-warm", daemon=True).start()
+
+    def save(self, *, blocking: bool = False) -> None:
+        """Collective: every rank must call it at the same step."""
+        t0 = time.perf_counter()
+        streams = self.backend.allgather_object(rng.capture())
+        self.state.ckpt_requested = self.state.step
+        self._last_save_time = time.time()
+        if self.backend.rank() != 0:
+            return
+        def payload() -> dict[str, Any]:  # the copy into host memory: split_state snapshots
+            return split_state(self.state.checkpoint_state(streams))
+
+        kwargs = dict(step=self.state.step, epoch=self.state.epoch, world_size=self.backend.size(),
+                      run_id=self.config.run_id)
+        if self.writer.holds(self.state.step):
+            return  # in flight or published by this process already (a save redone after a reset)
+        if blocking:
+            self.writer.save_sync(**kwargs, payload=payload, timeout=self.config.grace_seconds)
+        else:
+            # A callable: the writer drops an older pending snapshot before making this one, so
+            # at most two copies of the state are in host memory (one uploading, one pending).
+            self.writer.submit(**kwargs, payload=payload, stall_before=time.perf_counter() - t0)
+
+    def close(self, timeout: float | None = None) -> None:
+        if self._writer is not None:
+            self._writer.close(timeout)

@@ -1,0 +1,267 @@
+"""The common case in a few lines: `Trainer(model, optimizer, loss_fn, data, config).fit()`.
+
+The trainer is deliberately thin: the state knows what survives, the sampler knows the data
+order, `durable` knows the store, `elastic.run` knows how to recover. This file only runs the
+step loop and decides when to commit, checkpoint and stop.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import default_collate
+
+from hvd_resilient import backends, log
+from hvd_resilient.backends import determinism
+from hvd_resilient.backends.threads import share_cores
+from hvd_resilient.config import TrainConfig
+from hvd_resilient.events import EventLog
+from hvd_resilient.state.sampler import ElasticDataSampler, StepSlice
+from hvd_resilient.training import memory
+from hvd_resilient.training.durable import DurableCheckpoints
+from hvd_resilient.training.faults import ENV as FAULT_ENV
+from hvd_resilient.training.faults import FaultPlan
+
+logger = log.get("trainer")
+
+PREEMPTED_EXIT_CODE = 75
+"""Exit status after a graceful stop on SIGTERM/SIGUSR1 with a final checkpoint (EX_TEMPFAIL):
+a supervisor or `sbatch --requeue` restarts the job, which then resumes from that checkpoint."""
+
+
+class Preempted(SystemExit):
+    def __init__(self) -> None:
+        super().__init__(PREEMPTED_EXIT_CODE)
+
+
+@dataclass
+class FitResult:
+    step: int
+    epoch: int
+    loss: float
+    world_size: int
+    rank: int
+
+
+def _flag_preemption() -> list[int]:
+    """Installs SIGTERM/SIGUSR1 handlers that only set a flag: the ranks agree on when to
+    stop at the next commit, so the final checkpoint is consistent."""
+    received: list[int] = []
+
+    def handler(signum: int, _frame: Any) -> None:
+        received.append(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        try:
+            signal.signal(sig, handler)
+        except ValueError:  # not the main thread (embedded use): leave signals alone
+            pass
+    return received
+
+
+class Trainer:
+    """Runs the training loop for a model whose forward takes the collated inputs."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        train_data: Sequence[Any],
+        config: TrainConfig,
+        *,
+        scheduler: Any | None = None,
+        collate_fn: Callable[[list[Any]], Any] = default_collate,
+        on_step: Callable[[Any, float], None] | None = None,
+        comm: Any | None = None,
+        backend: str | None = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.data = train_data
+        self.config = config
+        self.scheduler = scheduler
+        self.collate_fn = collate_fn
+        self.on_step = on_step
+        self.comm = comm
+        """An mpi4py communicator to train on (default: COMM_WORLD under mpirun)."""
+        self.backend_name = backend
+        """horovod or torchrun; default: whichever launcher started this process."""
+
+    def fit(self) -> FitResult:
+        cfg = self.config
+        backend = self.backend = backends.get(self.backend_name, fsdp=cfg.fsdp)
+        determinism.apply(cfg.deterministic)  # before init: Horovod reads its fusion setting there
+        backend.init(self.comm)
+        log.setup(rank_fn=backend.rank)
+        share_cores(backend.local_size())
+        events = EventLog(f"{cfg.run_dir}/events.jsonl", rank=backend.rank, size=backend.size)
+        model, optimizer = backend.wrap(self.model, self.optimizer)
+        self._wrapped = model
+        sampler = ElasticDataSampler(len(self.data), shuffle=cfg.shuffle, seed=cfg.seed)
+        state = backend.make_state(
+            model, optimizer, sampler=sampler, scheduler=self.scheduler, seed=cfg.seed,
+            lr_scaling=cfg.lr_scaling, events=events, last_loss=math.nan,
+        )
+        self._faults = FaultPlan.parse(os.environ.get(FAULT_ENV), cfg.run_dir)
+        durable = _durable_class(cfg.fsdp)(cfg, state, events, backend, faults=self._faults)
+        rank0 = backend.rank() == 0
+        events.emit("start", pid=os.getpid(), host=socket.gethostname(), backend=backend.name,
+                    run_id=cfg.run_id, config=cfg.to_dict() if rank0 else None)
+        # Resume (or refuse to start); a failure stops every rank at the first sync, never
+        # just rank 0 while the others train from scratch over the run's checkpoints.
+        durable.start()
+        preempt = _flag_preemption()
+        self._watch_memory(state, events, backend)
+
+        def train(state: Any) -> None:
+            self._loop(state, durable, preempt)
+            durable.finish()
+
+        try:
+            backend.run(train, state)
+        finally:
+            durable.close(timeout=cfg.grace_seconds)
+        events.emit("done", epoch=state.epoch, loss=state.last_loss,
+                    params_sha256=state.params_sha256())
+        if rank0:
+            logger.info("done: step %d, epoch %d, loss %.4f", state.step, state.epoch,
+                        state.last_loss)
+        return FitResult(state.step, state.epoch, float(state.last_loss), backend.size(),
+                         backend.rank())
+
+    def _watch_memory(self, state: Any, events: EventLog, backend: Any) -> None:
+        if not hasattr(state, "register_reset_callbacks"):
+            return  # torchrun: a restart is a new process, nothing accumulates
+        watch = memory.GrowthWatch()
+
+        def after_reset() -> None:
+            m = memory.sample()
+            warning = watch.at_reset(m["rss_bytes"])
+            events.emit("memory", at="reset", **m)
+            if warning:
+                events.emit("memory_growth", warning=warning)
+                logger.warning("rank %d: %s", backend.rank(), warning)
+
+        state.register_reset_callbacks([after_reset])
+
+    def _report_progress(self, state: Any, durable: DurableCheckpoints, rate: float) -> None:
+        """Every rank records its memory; rank 0 records and shows progress."""
+        m = memory.sample()
+        state.events.emit("memory", **m)
+        if self.backend.rank() != 0:
+            return
+        since = durable.seconds_since_save()
+        state.events.emit("progress", epoch=state.epoch, loss=state.last_loss,
+                          samples_per_s=round(rate, 3), **m)
+        line = (f"epoch {state.epoch} step {state.step} loss {state.last_loss:.4f} | "
+                f"{rate:.1f} samples/s | world {self.backend.size()} | last checkpoint "
+                + (f"{since:.0f}s ago" if since is not None else "none yet"))
+        if sys.stderr.isatty():
+            print("\r" + line.ljust(100), end="", file=sys.stderr, flush=True)
+        else:
+            logger.info(line)
+
+    # -- the loop ------------------------------------------------------------------------
+    def _finished(self, state: Any) -> bool:
+        cfg = self.config
+        if cfg.max_steps and state.step >= cfg.max_steps:
+            return True
+        return state.epoch >= cfg.epochs
+
+    def _loop(self, state: Any, durable: DurableCheckpoints, preempt: list[int]) -> None:
+        cfg = self.config
+        sampler = state.sampler
+        t_log, steps_since_log = time.time(), 0
+        while not self._finished(state):
+            if sampler.epoch_done():
+                sampler.set_epoch(sampler.epoch + 1)
+                state.commit()
+                if cfg.checkpoint_every == 0 or self._finished(state):
+                    durable.save()
+                continue
+            rank, size = self.backend.rank(), self.backend.size()
+            sl = sampler.next_slice(rank, size, cfg.batch_size)
+            self._faults.maybe_fire(rank, state.step)
+            loss = self._step(state.optimizer, sl, size)
+            sampler.advance(sl.global_count)
+            state.step += 1
+            state.samples += sl.global_count
+            if loss is not None:
+                state.last_loss = loss
+            if self.scheduler is not None:
+                self.scheduler.step()
+            if self.on_step is not None:
+                self.on_step(state, state.last_loss)
+            steps_since_log += 1
+            if state.step % cfg.log_every == 0:
+                now = time.time()
+                rate = steps_since_log * size * cfg.batch_size / max(now - t_log, 1e-9)
+                self._report_progress(state, durable, rate)
+                t_log, steps_since_log = now, 0
+            if state.step % cfg.commit_every == 0 or state.host_change_pending():
+                if self.backend.any_rank(bool(preempt)):
+                    self._stop_for_preemption(state, durable)
+                state.commit()
+            if durable.due():
+                durable.save()
+
+    def _step(self, optimizer: torch.optim.Optimizer, sl: StepSlice, size: int) -> float | None:
+        self._wrapped.train()
+        optimizer.zero_grad()
+        # A rank with no samples in the epoch's last step still runs forward and backward
+        # (DDP and Horovod both need every rank in the allreduce), on one sample weighted 0.
+        indices = sl.indices or [0]
+        weight = len(sl.indices) * size / sl.global_count
+        inputs, targets = self.collate_fn([self.data[i] for i in indices])
+        device = next(self._wrapped.parameters()).device
+        if device.type != "cpu":
+            inputs, targets = _to(inputs, device), _to(targets, device)
+        loss = self.loss_fn(self._wrapped(inputs), targets)
+        # Ranks may hold unequal shares of the last batch of an epoch; weighting by share
+        # makes the averaged gradient the exact mean over the global batch.
+        (loss * weight).backward()
+        optimizer.step()
+        return float(loss.detach()) if sl.indices else None
+
+    def _stop_for_preemption(self, state: Any, durable: DurableCheckpoints) -> None:
+        t0 = time.time()
+        state.commit()
+        durable.save(blocking=True)
+        durable.close(timeout=self.config.grace_seconds)
+        state.events.emit("preempted", seconds=round(time.time() - t0, 3),
+                          exit_code=PREEMPTED_EXIT_CODE)
+        if self.backend.rank() == 0:
+            logger.warning("stopping on a termination signal after a final checkpoint at step %d",
+                           state.step)
+        raise Preempted()
+
+
+def _durable_class(sharded: bool) -> type[DurableCheckpoints]:
+    """Sharded (FSDP) models save every rank's shards; replicated ones save rank 0's copy."""
+    if not sharded:
+        return DurableCheckpoints
+    from hvd_resilient.training.durable_sharded import ShardedDurableCheckpoints
+
+    return ShardedDurableCheckpoints
+
+
+def _to(batch: Any, device: torch.device) -> Any:
+    """Moves tensors (also inside lists, tuples and dicts) to the model's device."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _to(v, device) for k, v in batch.items()}
+    return batch

@@ -1,0 +1,34 @@
+"""The gate in front of Horovod's internals: it passes on the installed, tested release and
+names exactly what is missing otherwise."""
+
+from __future__ import annotations
+
+import pytest
+
+from hvd_resilient.backends.horovod import compat
+from hvd_resilient.errors import LaunchError
+
+
+def test_the_installed_horovod_has_every_target():
+    assert compat.check_compatible(driver=True) in compat.TESTED_VERSIONS
+
+
+def test_a_missing_target_is_named_in_one_line(monkeypatch):
+    monkeypatch.setattr(compat, "DRIVER_TARGETS", compat.DRIVER_TARGETS + (
+        ("horovod.runner.elastic.driver", "ElasticDriver._renamed_in_a_later_release"),))
+    monkeypatch.setattr(compat, "DRIVER_FIELDS", compat.DRIVER_FIELDS + (
+        ("horovod.runner.elastic.driver", "ElasticDriver", "_gone"),))
+    with pytest.raises(LaunchError) as e:
+        compat.check_compatible(driver=True)
+    msg = str(e.value)
+    assert "\n" not in msg and "ElasticDriver._renamed_in_a_later_release" in msg
+    assert "(and 1 more)" in msg
+    compat.check_compatible(driver=False)  # the worker side does not need the driver's
+
+
+def test_an_untested_release_is_refused(monkeypatch):
+    import horovod
+
+    monkeypatch.setattr(horovod, "__version__", "0.29.0")
+    with pytest.raises(LaunchError, match=r"Horovod 0\.29\.0 is not a tested release"):
+        compat.check_compatible(driver=False)
