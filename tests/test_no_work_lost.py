@@ -45,7 +45,7 @@ def run_cmd(backend: str, tmp: Path, run: Path, ckpt: str, *train: str) -> list[
         launch = ["--discovery", str(discover), "--min-np", "2", "--max-np", "2",
                   "--network-interface", "lo"]
     else:
-        launch = ["--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--torchrun-restarts", "0"]
+        launch = ["--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--torchrun-restarts", "2"]
     return [HVD, "run", "--backend", backend, "--np", "2", "--run-id", "r", "--run-dir",
             str(run), "--checkpoint", ckpt, "--max-restarts", "0", *launch, "--", PYTHON,
             DIGITS, *train]
@@ -75,6 +75,8 @@ def test_a_checkpoint_that_does_not_fit_stops_every_rank_and_rewrites_nothing(
     assert fatal and "cannot be loaded into this model" in fatal[0]["error"], second
     trained = [e for e in second if e["event"] in ("commit", "checkpoint_saved", "progress")]
     assert not trained, f"ranks trained after a failed resume: {trained}"
+    starts = [e for e in second if e["event"] == "start" and e["rank"] >= 0]
+    assert len(starts) == 2, f"the workers were restarted into the same error: {starts}"
 
 
 def test_no_resume_over_existing_checkpoints_refuses_to_start(tmp_path):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 ENV = "HVD_RESILIENT_TORCHRUN_FORK"
 
@@ -57,9 +58,33 @@ def _warm_up() -> bool:
     return not torch.cuda.is_initialized()
 
 
+def stop_restarts_on_fatal() -> None:
+    """A worker that exits with FATAL_EXIT_CODE stopped on an error every restart would meet
+    again (a checkpoint that does not fit, a bad config): the agent gives up its remaining
+    restarts instead of restarting every worker into the same error."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from hvd_resilient.errors import FATAL_EXIT_CODE
+
+    monitor = LocalElasticAgent._monitor_workers
+
+    def monitor_and_stop(self: Any, worker_group: Any) -> Any:
+        result = monitor(self, worker_group)
+        if result.state == WorkerState.FAILED and any(
+                getattr(f, "exitcode", None) == FATAL_EXIT_CODE
+                for f in (result.failures or {}).values()):
+            self._remaining_restarts = 0
+        return result
+
+    LocalElasticAgent._monitor_workers = monitor_and_stop  # type: ignore[method-assign]
+
+
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     from torch.distributed.run import main as torchrun_main
+
+    stop_restarts_on_fatal()
 
     warm = warm_args(args)
     if warm is not None and _warm_up():
