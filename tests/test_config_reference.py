@@ -1,0 +1,49 @@
+"""docs/configuration.md lists every setting the code reads, and only those."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import MISSING, fields
+from pathlib import Path
+
+from hvd_resilient.config import ENV_PREFIX, TrainConfig
+from hvd_resilient.launch.cli import build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE = (ROOT / "docs" / "configuration.md").read_text()
+DISCOVERY_PAGE = (ROOT / "docs" / "discovery.md").read_text()
+ENV_NAME = re.compile(r"HVD_RESILIENT_[A-Z0-9_]*[A-Z0-9]")
+
+
+def test_every_training_field_has_its_row_with_flag_env_and_default():
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        row = next((line for line in PAGE.splitlines() if line.startswith(f"| `{f.name}` |")),
+                   None)
+        assert row is not None, f"{f.name} missing from docs/configuration.md"
+        assert f"`{flag}`" in row and f"`{ENV_PREFIX}{f.name.upper()}`" in row, row
+        default = f.default if f.default is not MISSING else ""
+        assert f"`{default!r}`" in row, f"{f.name}: default {default!r} not in {row}"
+    rows = re.findall(r"^\| `(\w+)` \| `--", PAGE, re.M)
+    assert set(rows) == {f.name for f in fields(TrainConfig)}, "a row for a field that is gone"
+
+
+def test_every_run_option_is_listed():
+    options = {o for a in build_parser()._actions for o in a.option_strings
+               if o.startswith("--") and o != "--help"}
+    missing = sorted(o for o in options if f"`{o}`" not in PAGE)
+    assert not missing, f"hvd-resilient run options missing from the page: {missing}"
+
+
+def test_every_environment_variable_the_code_reads_is_documented():
+    names = set()
+    for path in [*(ROOT / "hvd_resilient").rglob("*.py"), *(ROOT / "discovery").iterdir()]:
+        if path.is_file():
+            names |= set(ENV_NAME.findall(path.read_text(errors="replace")))
+    fields_env = {ENV_PREFIX + f.name.upper() for f in fields(TrainConfig)}
+    undocumented = sorted(
+        n for n in names - fields_env
+        if n not in PAGE and n not in DISCOVERY_PAGE
+        and not any(n.startswith(p.rstrip("*")) and p in PAGE
+                    for p in re.findall(r"HVD_RESILIENT_[A-Z0-9_]+\*", PAGE)))
+    assert not undocumented, f"read by the code, documented nowhere: {undocumented}"
