@@ -16,7 +16,7 @@ from pathlib import Path
 from hvd_resilient.errors import LaunchError
 from hvd_resilient.launch.horovod.command import ElasticLaunch, horovodrun_command
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]  # hvd_resilient/launch/demo.py -> the checkout
 
 
 def main(argv: list[str]) -> int:
