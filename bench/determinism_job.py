@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The job `bench/determinism_bench.py` runs: a model trained by `Trainer` (so every backend
-and `HVD_RESILIENT_DETERMINISTIC` work as in a user's job), reporting samples/s in `progress`
-events.
+and `HVD_RESILIENT_DETERMINISTIC` work as in a user's job); rank 0 writes the model's shape and
+the time between consecutive steps (`on_step`) to `<run_dir>/model.json`.
 
 - `--model digits`: `examples/digits.py`'s MLP (4 parameter tensors) at `--hidden` width;
 - `--model tinylm`: `examples/tiny_lm.py`'s transformer (`--dim`, `--layers`; 28 parameter
@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -55,17 +56,21 @@ def main() -> int:
     args = parser.parse_args()
     cfg = TrainConfig.from_sources(args)
 
-    from hvd_resilient.trainer import Trainer
+    from hvd_resilient.training.trainer import Trainer
 
     torch.manual_seed(cfg.seed)
     model, data, loss_fn = build(args)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    result = Trainer(model, optimizer, loss_fn, data, cfg).fit()
+    stamps: list[float] = []
+    result = Trainer(model, optimizer, loss_fn, data, cfg,
+                     on_step=lambda state, loss: stamps.append(time.perf_counter())).fit()
     if result.rank == 0:
-        shape = {"tensors": len(list(model.parameters())),
-                 "params": sum(p.numel() for p in model.parameters())}
+        out = {"tensors": len(list(model.parameters())),
+               "params": sum(p.numel() for p in model.parameters()),
+               "world_size": result.world_size, "batch_size": cfg.batch_size,
+               "step_seconds": [b - a for a, b in zip(stamps, stamps[1:], strict=False)]}
         with open(os.path.join(cfg.run_dir, "model.json"), "w") as fh:
-            json.dump(shape, fh)
+            json.dump(out, fh)
     return 0
 
 

@@ -64,7 +64,7 @@ class TrainConfig:
     `hvd-resilient run --fresh-start` or `hvd-resilient ckpt supersede` sets them aside first."""
     deterministic: bool = False
     """Bit-identical results at a fixed world size for any number of ranks (gradients reduced
-    in a fixed order: no tensor fusion); what it costs: docs/determinism.md."""
+    in one fixed order, whatever the timing); what it costs: docs/determinism.md."""
     store_wait_seconds: float = 60.0
     """At start, how long an unreachable checkpoint store is retried before the run stops
     (it never starts from scratch over checkpoints it could not read)."""

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from jobs import PYTHON, ROOT, events, write_discovery
+from jobs import PYTHON, ROOT, events, set_hosts, wait_for, write_discovery
 
 HVD = str(Path(PYTHON).parent / "hvd-resilient")
 DIGITS = str(ROOT / "examples" / "digits.py")
@@ -40,7 +41,7 @@ def test_enabled_reads_the_values_the_config_accepts():
         determinism.enabled({determinism.ENV: "maybe"})
 
 
-def test_apply_turns_fusion_off_for_this_process_and_its_reinits(caplog):
+def test_apply_turns_fusion_off_for_this_process_and_its_reinits():
     import torch
 
     from hvd_resilient.backends import determinism
@@ -51,11 +52,35 @@ def test_apply_turns_fusion_off_for_this_process_and_its_reinits(caplog):
     try:
         env = {"HOROVOD_FUSION_THRESHOLD": "67108864"}
         assert determinism.apply(True, env)
-        assert env["HOROVOD_FUSION_THRESHOLD"] == "0"
+        assert env["HOROVOD_FUSION_THRESHOLD"] == "0", "safe for any optimizer until told"
         assert determinism.enabled(env), "later inits (elastic resets, wrap) must see it"
         assert env["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
         assert torch.are_deterministic_algorithms_enabled()
-        assert "HOROVOD_FUSION_THRESHOLD=67108864 overridden" in caplog.text
+        assert determinism.apply(True, env)  # again (the trainer, then the backend's init)
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+@pytest.mark.parametrize("user", [None, "67108864"])
+def test_horovod_env_for_the_ordered_optimizer_and_for_any_other(user, caplog):
+    import torch
+
+    from hvd_resilient.backends import determinism
+
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        env = {} if user is None else {"HOROVOD_FUSION_THRESHOLD": user}
+        determinism.apply(True, env)
+        determinism.horovod_env(ordered=True, env=env)
+        # fusion back on, at a threshold the environment fixes (autotune cannot move it)
+        assert env["HOROVOD_FUSION_THRESHOLD"] == (user or str(128 * 1024 * 1024))
+        assert env["HOROVOD_DISABLE_GROUP_FUSION"] == "1"
+        assert "overridden" not in caplog.text
+        env = {} if user is None else {"HOROVOD_FUSION_THRESHOLD": user}
+        determinism.apply(True, env)
+        determinism.horovod_env(ordered=False, env=env)
+        assert env["HOROVOD_FUSION_THRESHOLD"] == "0"
+        assert ("HOROVOD_FUSION_THRESHOLD=67108864 overridden" in caplog.text) == bool(user)
     finally:
         torch.use_deterministic_algorithms(before)
 
@@ -182,6 +207,44 @@ def test_torchrun_three_workers_deterministic_runs_and_resume_are_bit_identical(
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+def test_horovod_deterministic_job_grows_and_shrinks_elastically(tmp_path, jobs):
+    """The ordered optimizer makes no collective of its own when it is built: a worker that
+    joins a running job (building it while the others sync) neither hangs nor disagrees."""
+    run = tmp_path / "run"
+    hosts, discover = write_discovery(tmp_path, "127.0.0.1:2")
+    cmd = [HVD, "run", "--backend", "horovod", "--discovery", str(discover), "--np", "2",
+           "--min-np", "2", "--max-np", "3", "--network-interface", "lo", "--run-id", "e",
+           "--run-dir", str(run), "--max-restarts", "0", "--", *SCRIPT, "--max-steps",
+           "1000000", "--commit-every", "5"]
+    job = jobs.start(cmd, env=jobs.env(**DETERMINISTIC), name="elastic")
+    evs = lambda: events(run / "events.jsonl")  # noqa: E731
+    commits = lambda: [e for e in evs() if e["event"] == "commit" and e["rank"] == 0]  # noqa: E731
+    wait_for(lambda: any(c["size"] == 2 and c["step"] >= 20 for c in commits()), 180,
+             "20 steps at size 2", job)
+    set_hosts(hosts, "127.0.0.1:3")
+    wait_for(lambda: any(c["size"] == 3 for c in commits()), 180, "a commit at size 3", job)
+    first3 = min(c["step"] for c in commits() if c["size"] == 3)
+    wait_for(lambda: any(c["size"] == 3 and c["step"] >= first3 + 20 for c in commits()), 180,
+             "20 steps at size 3", job)
+    set_hosts(hosts, "127.0.0.1:2")
+    wait_for(lambda: commits()[-1]["size"] == 2 and commits()[-1]["step"] >= first3 + 40, 180,
+             "20 steps at size 2 again", job)
+    ours = {p.pid for p in job.processes()}  # never a recycled pid of someone else's
+    for pid in {e["pid"] for e in evs() if e["event"] == "start" and e["rank"] >= 0} & ours:
+        try:  # the live workers stop at the next commit, with a final checkpoint
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:  # the worker that left
+            pass
+    job.wait(180)
+    preempted = [e for e in evs() if e["event"] == "preempted"]
+    assert sorted(e["rank"] for e in preempted) == [0, 1], preempted
+    assert len({e["step"] for e in preempted}) == 1, preempted
+    sizes = [c["size"] for c in commits()]
+    assert sizes[0] == 2 and 3 in sizes and sizes[-1] == 2, sizes
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_horovod_default_mode_is_recorded_not_asserted(tmp_path, jobs, record_property):
     """Without --deterministic two identical runs usually end with different parameters
     (tensor fusion packs gradients by timing); that is recorded here, never asserted."""
@@ -198,16 +261,19 @@ def test_deterministic_flag_of_the_script_reaches_horovod(tmp_path):
     trainer applies it before Horovod starts (`determinism.apply(cfg.deterministic)` in
     `Trainer.fit`, before `backend.init`)."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("HOROVOD_FUSION_THRESHOLD", "HVD_RESILIENT_DETERMINISTIC")}
+           if k not in ("HOROVOD_FUSION_THRESHOLD", "HVD_RESILIENT_DETERMINISTIC",
+                        "HOROVOD_DISABLE_GROUP_FUSION")}
     env["PYTHONPATH"] = f"{ROOT}:{env.get('PYTHONPATH', '')}"
     code = (
         "import os, sys; sys.argv[0] = 'digits.py'\n"
         f"sys.path.insert(0, {str(ROOT / 'examples')!r})\n"
         "import digits\n"
         f"digits.main(['--deterministic', '--max-steps', '2', '--run-dir', {str(tmp_path)!r}])\n"
-        "print('FUSION', os.environ.get('HOROVOD_FUSION_THRESHOLD'))\n"
+        "print('DET', os.environ.get('HVD_RESILIENT_DETERMINISTIC'),"
+        " os.environ.get('HOROVOD_DISABLE_GROUP_FUSION'))\n"
     )
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=170, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "FUSION 0" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+    # The Horovod backend's ordered optimizer: its one group fused alone, in its own order.
+    assert "DET 1 1" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]

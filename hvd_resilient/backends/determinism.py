@@ -40,9 +40,15 @@ from typing import Any
 from hvd_resilient.errors import ConfigError
 
 ENV = "HVD_RESILIENT_DETERMINISTIC"
-HOROVOD_ENV = {"HOROVOD_FUSION_THRESHOLD": "0"}
-"""What Horovod needs (read by `hvd.init()`, at every elastic re-init too): no tensor fusion."""
+FUSION = "HOROVOD_FUSION_THRESHOLD"
+GROUP_FUSION_OFF = "HOROVOD_DISABLE_GROUP_FUSION"
+HOROVOD_DEFAULT_FUSION = str(128 * 1024 * 1024)
+"""Horovod 0.28's fusion threshold when none is set."""
+_USER_FUSION = "HVDR_USER_FUSION_THRESHOLD"
+"""Where `apply` keeps the user's HOROVOD_FUSION_THRESHOLD ("" when unset) while it holds fusion
+off, so that `horovod_env(ordered=True)` can give it back."""
 CUBLAS_ENV = ("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+GRADIENTS_NAME = "hvd_resilient.gradients"
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
@@ -64,26 +70,88 @@ def apply(on: bool = True, env: MutableMapping[str, str] | None = None) -> bool:
     it before the backend initialises (the trainer does, from `cfg.deterministic`). Off does
     nothing (it never undoes a setting). Returns `on`.
 
-    Sets HVD_RESILIENT_DETERMINISTIC=1 (the torchrun backend and later elastic re-inits read
-    it), HOROVOD_FUSION_THRESHOLD=0 (a different value set by the user is overridden, with a
-    warning), the cuBLAS workspace setting where it is unset, and torch's deterministic
-    algorithms."""
+    Sets HVD_RESILIENT_DETERMINISTIC=1 (the backends read it at init and wrap, and it outlives
+    elastic re-inits), HOROVOD_FUSION_THRESHOLD=0 (safe for any Horovod optimizer, so for a
+    loop that calls `hvd.init()` itself; the Horovod backend turns fusion back on for its own
+    ordered optimizer, `horovod_env`), the cuBLAS workspace setting where it is unset, and
+    torch's deterministic algorithms."""
     if not on:
         return False
     env = os.environ if env is None else env
     env[ENV] = "1"
-    for name, value in HOROVOD_ENV.items():
-        old = env.get(name)
-        if old is not None and old != value:
-            from hvd_resilient.log import get
-
-            get("determinism").warning(
-                "%s=%s overridden with %s: deterministic reductions need tensor fusion off",
-                name, old, value)
-        env[name] = value
+    env.setdefault(_USER_FUSION, env.get(FUSION, ""))
+    env[FUSION] = "0"
     env.setdefault(*CUBLAS_ENV)
     _deterministic_local_math()
     return True
+
+
+def horovod_env(ordered: bool, env: MutableMapping[str, str] | None = None) -> None:
+    """Sets what the next `hvd.init()` reads (and every elastic re-init after it), for
+    deterministic mode; call after `apply`.
+
+    ``ordered=False`` (any optimizer, e.g. a plain `hvd.DistributedOptimizer`): tensor fusion
+    off, every tensor reduced alone; a user's other HOROVOD_FUSION_THRESHOLD is overridden,
+    with a warning. ``ordered=True`` (the gradients are reduced by `horovod_optimizer`, as one
+    group in parameter order): groups fused alone and in their own order
+    (HOROVOD_DISABLE_GROUP_FUSION=1), at a threshold set in the environment, the user's or
+    Horovod's default, so that HOROVOD_AUTOTUNE cannot move the split points."""
+    env = os.environ if env is None else env
+    user = env.get(_USER_FUSION, env.get(FUSION, ""))
+    if ordered:
+        env[FUSION] = user or HOROVOD_DEFAULT_FUSION
+        env[GROUP_FUSION_OFF] = "1"
+        return
+    if user not in ("", "0"):
+        from hvd_resilient.log import get
+
+        get("determinism").warning(
+            "%s=%s overridden with 0: deterministic reductions need tensor fusion off",
+            FUSION, user)
+    env[FUSION] = "0"
+
+
+def horovod_optimizer(optimizer: Any, named_parameters: Any) -> Any:
+    """`hvd.DistributedOptimizer` whose gradients are averaged in a fixed order: its
+    per-gradient hooks only mark a gradient done, and `synchronize()` (called by `step()`)
+    averages all of them at once with one grouped allreduce in parameter order (a gradient
+    this rank did not compute counts as zeros, as in Horovod). With `horovod_env(ordered=True)`
+    Horovod fuses the group alone and in that order, so an element's summation order is
+    fixed. One fused allreduce per step, as Horovod's default usually does, after the backward
+    pass instead of overlapping it. No collective at construction (Horovod's own `groups=`
+    broadcasts the parameter names there, which a worker joining an elastic job would call
+    alone). Written against Horovod 0.28.1's `_DistributedOptimizer`."""
+    import horovod.torch as hvd
+    import torch
+
+    opt = hvd.DistributedOptimizer(optimizer, named_parameters=named_parameters)
+    for attr in ("_allreduce_grad_async", "synchronize", "_handles", "_allreduce_delay",
+                 "_synchronized", "backward_passes_per_step"):
+        if not hasattr(opt, attr):
+            raise ConfigError(f"deterministic: this Horovod's DistributedOptimizer lacks {attr}"
+                              " (written against Horovod 0.28.1)")
+    params = [p for group in opt.param_groups for p in group["params"] if p.requires_grad]
+
+    def no_reduction(p: Any) -> tuple[None, None]:
+        return None, None  # the hook records (None, None): done, nothing in flight
+
+    def synchronize() -> None:
+        grads = []
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            elif p.grad.is_sparse:
+                p.grad = p.grad.to_dense()
+            grads.append(p.grad)
+        hvd.grouped_allreduce_(grads, op=hvd.Average, name=GRADIENTS_NAME)
+        for p in params:
+            opt._allreduce_delay[p] = opt.backward_passes_per_step
+        opt._handles.clear()
+        opt._synchronized = True
+
+    opt._allreduce_grad_async = no_reduction
+    opt.synchronize = synchronize
+    return opt
 
 
 def _deterministic_local_math() -> None:

@@ -8,6 +8,7 @@ from typing import Any
 import horovod.torch as hvd
 import torch
 
+from hvd_resilient.backends import determinism
 from hvd_resilient.backends.base import Backend
 from hvd_resilient.backends.horovod import init as hvd_init
 from hvd_resilient.backends.horovod import run as elastic
@@ -20,7 +21,7 @@ class HorovodBackend(Backend):
     resume_on_every_rank = False
 
     def init(self, comm: Any | None = None) -> None:
-        hvd_init.init(comm)
+        hvd_init.init(comm, ordered=True)  # wrap() builds the ordered optimizer when asked
 
     def rank(self) -> int:
         return hvd.rank()
@@ -36,6 +37,8 @@ class HorovodBackend(Backend):
             slot = slot_hosts.local_rank()  # with slot hosts hvd.local_rank() is always 0
             torch.cuda.set_device(hvd.local_rank() if slot is None else slot)
             model.cuda()
+        if determinism.enabled():  # gradients averaged in one fixed order (docs/determinism.md)
+            return model, determinism.horovod_optimizer(optimizer, model.named_parameters())
         return model, hvd.DistributedOptimizer(
             optimizer, named_parameters=model.named_parameters()
         )

@@ -6,9 +6,11 @@ COMM_WORLD, or a sub-communicator the user passes; under `horovodrun` elastic it
 the mpi4py communicator the one Horovod uses, so user code can mix mpi4py calls safely.
 
 With HVD_RESILIENT_DETERMINISTIC=1 (set by `determinism.apply`, which the trainer calls for
-`--deterministic`, or by the user) tensor fusion is turned off before Horovod starts, so every
-gradient is reduced alone, in an order that does not depend on timing (`determinism`). The
-setting lives in the process environment, so the re-inits after elastic resets keep it.
+`--deterministic`, or by the user) the gradient reductions get a fixed order before Horovod
+starts (`determinism.horovod_env`): for the Horovod backend, whose optimizer reduces all
+gradients as one group in parameter order (`ordered=True`), groups are fused alone and in
+their order; for anyone else's optimizer tensor fusion is off. The settings live in the
+process environment, so the re-inits after elastic resets keep them.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ def launched_by_mpi(env: dict[str, str] | os._Environ[str] = os.environ) -> bool
     return mpi and not gloo
 
 
-def init(comm: Any | None = None) -> None:
+def init(comm: Any | None = None, *, ordered: bool = False) -> None:
+    """``ordered``: the caller reduces its gradients with `determinism.horovod_optimizer`."""
     check_compatible(driver=False)
-    determinism.apply(determinism.enabled())  # before hvd.init: Horovod reads it there
+    if determinism.apply(determinism.enabled()):  # before hvd.init: Horovod reads it there
+        determinism.horovod_env(ordered)
     if comm is None and launched_by_mpi():
         from mpi4py import MPI
 
