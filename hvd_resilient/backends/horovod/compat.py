@@ -56,16 +56,23 @@ DRIVER_FIELDS = (
     ("horovod.runner.http.http_server", "RendezvousHTTPServer", "cache_lock"),
 )
 WORKER_TARGETS = (
-    # worker side: `backends/horovod/state.py` and `run.py`
+    # worker side: `backends/horovod/state.py`, `run.py`, and the ordered optimizer
     ("horovod.torch.elastic.state", "TorchState"),
     ("horovod.torch.elastic.state", "StateHandler"),
     ("horovod.common.elastic", "notification_manager"),
     ("horovod.common.exceptions", "HorovodInternalError"),
     ("horovod.common.exceptions", "HostsUpdatedInterrupt"),
+    # --deterministic's ordered optimizer (`backends/determinism.horovod_optimizer`)
+    ("horovod.torch.optimizer", "_DistributedOptimizer._allreduce_grad_async"),
+    ("horovod.torch.optimizer", "_DistributedOptimizer.synchronize"),
 )
 WORKER_FIELDS = (
     ("horovod.torch.elastic.state", "TorchState", "_handlers"),
     ("horovod.common.elastic", "State", "_host_messages"),
+    ("horovod.torch.optimizer", "_DistributedOptimizer", "_handles"),
+    ("horovod.torch.optimizer", "_DistributedOptimizer", "_allreduce_delay"),
+    ("horovod.torch.optimizer", "_DistributedOptimizer", "_synchronized"),
+    ("horovod.torch.optimizer", "_DistributedOptimizer", "backward_passes_per_step"),
 )
 
 
