@@ -168,6 +168,17 @@ def main() -> int:
     backends = [b for b in args.backends.split(",") if b]
     workloads = [w for w in args.workloads.split(",") if w]
     runs: list[dict[str, Any]] = []
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(complete: bool) -> None:  # after every run: a crash keeps what was measured
+        out.write_text(json.dumps({
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.node(),
+            "cpus": os.cpu_count(), "repeats": args.repeats, "workers": 3,
+            "complete": complete, "warmup_steps": WARMUP_STEPS, "workloads": WORKLOADS,
+            "rows": summarize(runs), "runs": runs,
+        }, indent=1) + "\n")
+
     with tempfile.TemporaryDirectory(prefix="determinism-bench-") as tmp:
         for i in range(args.repeats):
             for backend in backends:
@@ -177,20 +188,14 @@ def main() -> int:
                     for mode in modes[k:] + modes[:k]:
                         r = run_once(backend, workload, mode, Path(tmp))
                         runs.append(r)
+                        save(complete=False)
                         print(f"[{i + 1}/{args.repeats}] {backend} {workload} {mode}: "
                               f"{r['samples_per_s']:.0f} samples/s ({r['step_ms']} ms/step), "
                               f"digest {r['params_sha256'][0][:12]}, load "
                               f"{r['load_before']}->{r['load_after']}", file=sys.stderr,
                               flush=True)
-    rows = summarize(runs)
-    print(table(rows))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.node(),
-        "cpus": os.cpu_count(), "repeats": args.repeats, "workers": 3,
-        "warmup_steps": WARMUP_STEPS, "workloads": WORKLOADS, "rows": rows, "runs": runs,
-    }, indent=1) + "\n")
+    save(complete=True)
+    print(table(summarize(runs)))
     print(f"wrote {out}", file=sys.stderr)
     return 0
 
