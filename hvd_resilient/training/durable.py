@@ -158,6 +158,14 @@ class DurableCheckpoints:
                 "aside with `hvd-resilient ckpt supersede URL` (or `hvd-resilient run "
                 "--fresh-start`), or use another --run-id")
 
+    def _start_from_scratch(self) -> None:
+        """No checkpoint loaded: fine when there is none, refused when some exist that none
+        verifies (a start from scratch would train over them)."""
+        self._refuse_existing("none of them verifies (see checkpoint_skipped events and "
+                              "`hvd-resilient ckpt verify`)")
+        log.info("no checkpoint at %s: starting from scratch",
+                 redact_url(self.config.checkpoint_url))
+
     def _load_latest(self) -> Any:
         """`load_latest`, retried while the store is unreachable, up to store_wait_seconds:
         a relaunch often races a store that restarts with it."""
@@ -185,11 +193,7 @@ class DurableCheckpoints:
         this code too, while the others wait in sync."""
         found = self._load_latest()
         if found is None:
-            self._refuse_existing("none of them verifies (see checkpoint_skipped events and "
-                                  "`hvd-resilient ckpt verify`)")
-            log.info("no checkpoint at %s: starting from scratch",
-                     redact_url(self.config.checkpoint_url))
-            return None
+            return self._start_from_scratch()
         info, files = found
         if info.layout != REPLICATED:
             raise ResumeError(

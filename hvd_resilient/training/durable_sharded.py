@@ -77,11 +77,7 @@ class ShardedDurableCheckpoints(DurableCheckpoints):
             raise ResumeError(f"checkpoint {redact_url(self.config.checkpoint_url)}: {e}") \
                 from None
         if found is None:
-            self._refuse_existing("none of them verifies (see checkpoint_skipped events and "
-                                  "`hvd-resilient ckpt verify`)")
-            log.info("no checkpoint at %s: starting from scratch",
-                     redact_url(self.config.checkpoint_url))
-            return None
+            return self._start_from_scratch()
         info, files = found
         fsdp.apply_sharded_state(self.state.model, self.state.optimizer, target)
         self.state.load_run_state(from_bytes(files[RUN_STATE_FILE]))
