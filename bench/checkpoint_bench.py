@@ -46,10 +46,7 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
-
-from s3_server import S3Server  # noqa: E402
+sys.path.insert(0, str(ROOT))  # run as a script: the checkout's tests.support
 
 from hvd_resilient.checkpoint import (  # noqa: E402
     AsyncCheckpointWriter,
@@ -66,6 +63,7 @@ from hvd_resilient.checkpoint.split import (  # noqa: E402
     split_state,
     warm_buffers,
 )
+from tests.support.s3_server import S3Server  # noqa: E402
 
 MB = 1_000_000
 

@@ -36,8 +36,7 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # run as a script: the checkout's tests.support
 
 MB = 1_000_000
 LAYERS = 12
@@ -143,7 +142,8 @@ def table(size_mb: int, results: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     import torch.multiprocessing as mp
-    from s3_server import S3Server
+
+    from tests.support.s3_server import S3Server
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size-mb", type=int, default=300)

@@ -3,6 +3,10 @@
 Precedence: defaults < config file (YAML or JSON) < `HVD_RESILIENT_<FIELD>` environment
 variables < command-line flags. Every value is checked in `__post_init__`, so a bad value stops
 the job before any worker trains, with one line that names the field and how to set it.
+
+Settings that belong to one concern live in a section (`store`, `recovery`, `observability`):
+`cfg.store.sse` is set by `--store-sse`, `HVD_RESILIENT_STORE_SSE` or `store: {sse: ...}` in
+the file. This module is the only place that reads them; everything below gets them passed in.
 """
 
 from __future__ import annotations
@@ -13,19 +17,110 @@ import difflib
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from hvd_resilient.errors import ConfigError
+from hvd_resilient.errors import SUPERVISED_ENV, ConfigError
 from hvd_resilient.masking import has_credentials, mask_url, scrub
 
 ENV_PREFIX = "HVD_RESILIENT_"
 LR_SCALING = ("none", "linear")
+SSE_MODES = ("", "AES256", "aws:kms")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 def _where(name: str) -> str:
     return f"--{name.replace('_', '-')} / {ENV_PREFIX}{name.upper()}"
+
+
+def _require(ok: bool, name: str, what: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"config: {name} must be {what}, got {value!r} ({_where(name)})")
+
+
+@dataclass(kw_only=True)
+class StoreOptions:
+    """How checkpoints are written to their store."""
+
+    sse: str = ""
+    """S3 server-side encryption of every object written: AES256 or aws:kms ('' : the
+    bucket's default)."""
+    sse_kms_key_id: str = ""
+    """KMS key id or ARN for sse=aws:kms (implies it)."""
+    snapshot_reuse: bool = True
+    """Reuse the snapshot buffers from one checkpoint to the next (false: give them back after
+    every checkpoint, paying the first touch of fresh memory each time)."""
+
+    def __post_init__(self) -> None:
+        if self.sse_kms_key_id and not self.sse:
+            self.sse = "aws:kms"
+        _require(self.sse in SSE_MODES, "store_sse", "AES256, aws:kms or empty", self.sse)
+        _require(not self.sse_kms_key_id or self.sse == "aws:kms", "store_sse_kms_key_id",
+                 "set only with store_sse=aws:kms", self.sse_kms_key_id)
+
+    def store_options(self, url: str) -> dict[str, Any]:
+        """Keyword arguments for `open_store(url, ...)`; encryption is refused for a store that
+        cannot do it rather than silently not applied."""
+        if not self.sse:
+            return {}
+        _require(url.startswith("s3://"), "store_sse", "empty for a non-S3 checkpoint_url",
+                 self.sse)
+        return {"sse": self.sse, "sse_kms_key_id": self.sse_kms_key_id or None}
+
+
+@dataclass(kw_only=True)
+class RecoveryOptions:
+    """How failures are detected and waited for."""
+
+    pg_timeout_seconds: float = 300.0
+    """torchrun: seconds torch.distributed waits to form the process group and its store."""
+    progress_timeout_seconds: float = 0.0
+    """A rank with no step ended for this long is hung: its stacks are written and it is
+    ended (0: adaptive, progress_factor x the slowest step, at least progress_floor_seconds)."""
+    progress_floor_seconds: float = 30.0
+    """The adaptive progress timeout never goes below this."""
+    progress_factor: float = 10.0
+    """The adaptive progress timeout is this many times the slowest step seen so far."""
+    first_step_seconds: float = 600.0
+    """Budget of the first step (compilation, data loader warm-up)."""
+    heartbeat_timeout_seconds: float = 1.5
+    """A peer silent this long is frozen or cut off and is evicted (0: no heartbeats; such
+    failures then wait for the Gloo or process-group timeout)."""
+
+    def __post_init__(self) -> None:
+        _require(self.pg_timeout_seconds > 0, "recovery_pg_timeout_seconds", "> 0",
+                 self.pg_timeout_seconds)
+        for name in ("progress_timeout_seconds", "heartbeat_timeout_seconds"):
+            _require(getattr(self, name) >= 0, f"recovery_{name}", ">= 0", getattr(self, name))
+        for name in ("progress_floor_seconds", "progress_factor", "first_step_seconds"):
+            _require(getattr(self, name) > 0, f"recovery_{name}", "> 0", getattr(self, name))
+        _require(self.heartbeat_timeout_seconds in (0, 0.0) or
+                 self.heartbeat_timeout_seconds >= 0.5, "recovery_heartbeat_timeout_seconds",
+                 "0 (off) or >= 0.5", self.heartbeat_timeout_seconds)
+
+
+@dataclass(kw_only=True)
+class ObservabilityOptions:
+    """What the job says about itself."""
+
+    log_level: str = "INFO"
+    """Level of the library's loggers on rank 0 (other ranks log warnings and above)."""
+
+    def __post_init__(self) -> None:
+        self.log_level = str(self.log_level).upper()
+        _require(self.log_level in LOG_LEVELS, "observability_log_level",
+                 f"one of {', '.join(LOG_LEVELS)}", self.log_level)
+
+
+SECTIONS: dict[str, type] = {"store": StoreOptions, "recovery": RecoveryOptions,
+                             "observability": ObservabilityOptions}
+"""Section name -> its dataclass; a setting's flat name is `<section>_<field>`."""
+
+ENV_ALIASES = {"HVD_RESILIENT_SNAPSHOT_REUSE": "store_snapshot_reuse",
+               "HVD_RESILIENT_PG_TIMEOUT": "recovery_pg_timeout_seconds",
+               "HVD_RESILIENT_LOG_LEVEL": "observability_log_level"}
+"""Environment names these settings had before they had a section; still read."""
 
 
 @dataclass(kw_only=True)
@@ -75,6 +170,9 @@ class TrainConfig:
     fsdp: bool = False
     """Shard parameters, gradients and optimizer state across ranks (FSDP2, torchrun only);
     checkpoints are then sharded too and reshard when resumed at another world size."""
+    store: StoreOptions = field(default_factory=StoreOptions)
+    recovery: RecoveryOptions = field(default_factory=RecoveryOptions)
+    observability: ObservabilityOptions = field(default_factory=ObservabilityOptions)
 
     def __post_init__(self) -> None:
         for name in ("epochs", "batch_size", "commit_every", "keep_last", "log_every"):
@@ -120,22 +218,25 @@ class TrainConfig:
                 f"config: checkpoint_url must start with file:// or s3://, got "
                 f"{self.checkpoint_url!r} ({_where('checkpoint_url')})"
             )
+        self.store.store_options(self.checkpoint_url)  # sse on a file:// URL stops here
 
     # -- sources ------------------------------------------------------------------------
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         """Adds one flag per field; defaults are None so unset flags do not override."""
-        group = parser.add_argument_group("training config")
-        group.add_argument("--config", dest="config_file", default=None,
-                           help="YAML or JSON file with these fields")
-        for f in fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            doc = _field_doc(f.name)
-            if f.type in ("bool", bool):
-                group.add_argument(flag, dest=f.name, default=None,
-                                   action=argparse.BooleanOptionalAction, help=doc)
+        groups = {"": parser.add_argument_group("training config")}
+        groups[""].add_argument("--config", dest="config_file", default=None,
+                                help="YAML or JSON file with these fields")
+        for st in settings():
+            if st.section not in groups:
+                groups[st.section] = parser.add_argument_group(
+                    f"{st.section} ({SECTIONS[st.section].__doc__.strip().rstrip('.')})")
+            doc = f"{st.doc} (default: {st.default!r})"
+            if st.type == "bool":
+                groups[st.section].add_argument(st.flag, dest=st.name, default=None,
+                                                action=argparse.BooleanOptionalAction, help=doc)
             else:
-                group.add_argument(flag, dest=f.name, default=None, help=doc)
+                groups[st.section].add_argument(st.flag, dest=st.name, default=None, help=doc)
 
     @classmethod
     def from_sources(
@@ -151,35 +252,109 @@ class TrainConfig:
         values: dict[str, Any] = {}
         file = file or (getattr(args, "config_file", None) if args else None)
         if file or env.get(ENV_PREFIX + "CONFIG"):
-            values.update(load_file(file or env[ENV_PREFIX + "CONFIG"]))
-        names = {f.name for f in fields(cls)}
-        for name in names:
+            values.update(_flatten(load_file(file or env[ENV_PREFIX + "CONFIG"])))
+        known = {st.name: st for st in settings()}
+        for old, name in ENV_ALIASES.items():
+            if old in env:
+                values[name] = env[old]
+        for name in known:
             if ENV_PREFIX + name.upper() in env:
                 values[name] = env[ENV_PREFIX + name.upper()]
         if args is not None:
-            for name in names:
+            for name in known:
                 v = getattr(args, name, None)
                 if v is not None:
                     values[name] = v
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        refuse_unknown(values, names, "config")
-        cfg = cls(**{k: _coerce(k, cls._type_of(k), v) for k, v in values.items()})
+        values.update({k: v for k, v in _flatten(overrides).items() if v is not None})
+        refuse_unknown(values, set(known), "config")
+        if env.get(SUPERVISED_ENV) == "1":
+            _refuse_disagreement(values, env)
+        top: dict[str, Any] = {}
+        parts: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
+        for name, v in values.items():
+            st = known[name]
+            (parts[st.section] if st.section else top)[st.field] = _coerce(name, st.type, v)
+        sections = {section: SECTIONS[section](**kw) for section, kw in parts.items()}
+        cfg = cls(**top, **sections)
         refuse_credentials(cfg.checkpoint_url,
                            f"config: checkpoint_url ({_where('checkpoint_url')})")
         return cfg
-
-    @classmethod
-    def _type_of(cls, name: str) -> str:
-        t = {f.name: f.type for f in fields(cls)}[name]
-        return t if isinstance(t, str) else t.__name__
 
     def to_dict(self) -> dict[str, Any]:
         """The config as it may be recorded (the `start` event): credentials masked."""
         return scrub(dataclasses.asdict(self))
 
 
-def _field_doc(name: str) -> str:
-    return _DOCS.get(name, "")
+SUPERVISOR_OWNED = ("run_id", "run_dir", "checkpoint_url")
+"""What `hvd-resilient run` decides for its workers: its relaunches and its report read the
+run folder and checkpoints it chose, so a worker writing elsewhere would be lost to both."""
+
+
+def _same(name: str, a: str, b: str) -> bool:
+    if name == "run_dir":
+        return Path(a).absolute() == Path(b).absolute()
+    return a.rstrip("/") == b.rstrip("/")
+
+
+def _refuse_disagreement(values: Mapping[str, Any], env: Mapping[str, str]) -> None:
+    for name in SUPERVISOR_OWNED:
+        given, chosen = values.get(name), env.get(ENV_PREFIX + name.upper())
+        if given is not None and chosen is not None and not _same(name, str(given), chosen):
+            flag = "--checkpoint" if name == "checkpoint_url" else "--" + name.replace("_", "-")
+            raise ConfigError(
+                f"config: the training command sets {name}={mask_url(str(given))!r} but "
+                f"hvd-resilient run uses {mask_url(chosen)!r}; pass {flag} to hvd-resilient "
+                "run only")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting as a user meets it: its flag, its environment variable, its default."""
+
+    name: str
+    """Flat name: the field, or `<section>_<field>`."""
+    section: str
+    field: str
+    type: str
+    default: Any
+    doc: str
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+def settings() -> list[Setting]:
+    """Every setting of TrainConfig and its sections, in declaration order (the flags, the
+    reference page and its test all come from here)."""
+    out: list[Setting] = []
+    for cls, section in [(TrainConfig, ""), *((c, n) for n, c in SECTIONS.items())]:
+        docs = _docs_from_source(cls)
+        for f in fields(cls):
+            if section == "" and f.name in SECTIONS:
+                continue
+            t = f.type if isinstance(f.type, str) else f.type.__name__
+            default = f.default if f.default is not dataclasses.MISSING else None
+            out.append(Setting(f"{section}_{f.name}" if section else f.name, section, f.name, t,
+                               default, docs.get(f.name, "")))
+    return out
+
+
+def _flatten(values: Mapping[str, Any]) -> dict[str, Any]:
+    """`store: {sse: AES256}` -> `store_sse: AES256`; a section given as an object too."""
+    out: dict[str, Any] = {}
+    for key, v in values.items():
+        if key in SECTIONS and dataclasses.is_dataclass(v):
+            v = dataclasses.asdict(v)  # type: ignore[arg-type]
+        if key in SECTIONS and isinstance(v, Mapping):
+            out.update({f"{key}_{str(k).replace('-', '_')}": x for k, x in v.items()})
+        else:
+            out[key] = v
+    return out
 
 
 def _coerce(name: str, type_name: str, value: Any) -> Any:
@@ -254,14 +429,14 @@ def load_file(path: str) -> dict[str, Any]:
     return {str(k).replace("-", "_"): v for k, v in data.items()}
 
 
-def _docs_from_source() -> dict[str, str]:
+def _docs_from_source(cls: type) -> dict[str, str]:
     """Field docstrings (the string under each field) become the --help texts."""
     import ast
     import inspect
 
     out: dict[str, str] = {}
     try:
-        tree = ast.parse(inspect.getsource(TrainConfig))
+        tree = ast.parse(inspect.getsource(cls))
     except (OSError, TypeError):
         return out
     body = tree.body[0].body  # type: ignore[attr-defined]
@@ -269,9 +444,6 @@ def _docs_from_source() -> dict[str, str]:
         if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(
             getattr(b, "value", None), ast.Constant
         ):
-            out[a.target.id] = str(b.value.value)  # type: ignore[union-attr]
+            out[a.target.id] = " ".join(str(b.value.value).split())  # type: ignore[union-attr]
     return out
-
-
-_DOCS = _docs_from_source()
 

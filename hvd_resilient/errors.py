@@ -4,6 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+# Every exit code the project gives a meaning to, in one place: launchers, the supervisor and
+# the Horovod driver decide from them whether a restart can help.
+RESTARTABLE_EXIT_CODE = 1
+"""A failure a restart may cure (a store endpoint down or throttled, a lost peer)."""
+PREEMPTED_EXIT_CODE = 75
+"""EX_TEMPFAIL: stopped by SIGTERM/SIGUSR1 (preemption) after the final checkpoint; the
+supervisor relaunches."""
+DRIVER_LOST_EXIT_CODE = 76
+"""A worker whose horovodrun driver died exits with this; the relaunch takes over."""
+HUNG_EXIT_CODE = 77
+"""A rank ended by the progress watchdog (alive, no step ended within its budget) or by its
+heartbeat (it was frozen, or cut off from its peers); restartable."""
 FATAL_EXIT_CODE = 78
 """EX_CONFIG: a worker stopped on an error no restart can fix (a bad config, a checkpoint that
 does not fit the model). The Horovod driver stops the whole job when a worker exits with it,
@@ -11,7 +23,10 @@ and the supervisor does not relaunch."""
 
 
 class HvdResilientError(Exception):
-    """Base class: the CLI prints `str(err)` as one line and exits non-zero, no traceback."""
+    """The one root the CLI knows: it prints `str(err)` as one line and exits `exit_code`, no
+    traceback. Each package's own root derives from it (the checkpoint store's `StoreError`,
+    the checkpoint manager's `CheckpointError`); discovery scripts are separate programs
+    with exit codes Horovod reads, and keep theirs (`discovery/errors.py`)."""
 
     exit_code = FATAL_EXIT_CODE
 
@@ -53,28 +68,10 @@ def launcher_rank(env: Mapping[str, str] | None = None,
     return None
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    """Errors a user can meet and fix: ours, and the checkpoint store's and manager's (looked
-    up only if loaded: an error of a module never imported cannot have been raised)."""
-    import sys
-
-    types: list[type[BaseException]] = [HvdResilientError]
-    for module, name in (("hvd_resilient.checkpoint.stores.base", "StoreError"),
-                         ("hvd_resilient.checkpoint.manager", "CheckpointError")):
-        cls = getattr(sys.modules.get(module), name, None)
-        if isinstance(cls, type):
-            types.append(cls)
-    return tuple(types)
-
-
 def error_exit_code(e: BaseException) -> int:
     """A store error a retry may cure (endpoint down, throttled) exits 1 so that a launcher
     restarts it; every other user error is fatal (no restart fixes a wrong URL)."""
-    if isinstance(e, HvdResilientError):
-        return e.exit_code
-    if any(c.__name__ == "TransientStoreError" for c in type(e).__mro__):
-        return 1
-    return FATAL_EXIT_CODE
+    return int(getattr(e, "exit_code", FATAL_EXIT_CODE))
 
 
 def _record_fatal(error: str, since: float) -> bool:
@@ -122,7 +119,7 @@ def exit_on_error(main):  # type: ignore[no-untyped-def]
         since = time.time()
         try:
             return main(*args, **kwargs)
-        except _user_errors() as e:
+        except HvdResilientError as e:
             error = mask_text(" ".join(str(e).split()) or type(e).__name__)
             code = error_exit_code(e)
             recorded = (code == FATAL_EXIT_CODE and os.environ.get(SUPERVISED_ENV) == "1"
@@ -133,6 +130,3 @@ def exit_on_error(main):  # type: ignore[no-untyped-def]
 
     return wrapper
 
-
-DRIVER_LOST_EXIT_CODE = 76
-"""A worker whose horovodrun driver died exits with this; the relaunch takes over."""

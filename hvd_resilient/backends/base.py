@@ -12,6 +12,10 @@ class Backend(abc.ABC):
     resume_on_every_rank: bool
     """True when every rank reads the durable checkpoint itself (torchrun: all workers start
     together and nothing is in memory); False when rank 0 reads it and a sync spreads it."""
+    reduces_in_backward: bool = False
+    """True when backward() itself waits for the gradient allreduce (DDP, FSDP); False when
+    it only starts it and optimizer.step() waits (Horovod). Tells the progress watchdog where
+    a rank waits for its peers."""
 
     @abc.abstractmethod
     def init(self, comm: Any | None = None) -> None: ...

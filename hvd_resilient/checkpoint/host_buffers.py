@@ -1,4 +1,4 @@
-"""Host memory for checkpoint snapshots, reused from one checkpoint to the next.
+"""Host memory for checkpoint snapshots and restores, reused instead of faulted in again.
 
 The snapshot is the only part of a checkpoint that runs inside the training step, and most of
 its cost is not the copy but the first touch of fresh memory: faulting in 1 GB of new pages
@@ -11,13 +11,12 @@ with ``torch.frombuffer`` and ``memoryview`` all hold a reference to it, so a bu
 being hashed or uploaded is never handed out again. The cost is memory: between checkpoints
 the pool keeps one set of buffers (the size of one snapshot) that a fresh allocation would
 have returned; ``HVD_RESILIENT_SNAPSHOT_REUSE=0`` turns reuse off where that memory is
-tighter than the stall.
+tighter than the stall (the `store.snapshot_reuse` setting).
 """
 
 from __future__ import annotations
 
 import mmap
-import os
 import sys
 import threading
 
@@ -44,7 +43,10 @@ def allocate(nbytes: int) -> HostBuffer:
 
 
 class HostBufferPool:
-    """Buffers for one snapshot at a time (:meth:`take`), reused when their sizes recur."""
+    """The one pool of host buffers: a snapshot's (:meth:`take`, reused when its layout
+    recurs) and a restore's downloads (:meth:`borrow`, reused for the next file once the
+    caller let go of the last). A buffer is handed out again only when nothing but the pool
+    refers to it, so nothing is ever given back by hand and nothing in use is reused."""
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
@@ -78,11 +80,29 @@ class HostBufferPool:
             del free, kept
             return out
 
+    def borrow(self, size: int) -> memoryview:
+        """A writable view of exactly ``size`` bytes, on the smallest free pooled buffer that
+        fits (a fresh 100 MB buffer costs ~60 ms of page faults here, as much as downloading
+        it); free again once the caller drops every view of it."""
+        if not self.enabled:
+            return memoryview(allocate(size))[:size]
+        with self._lock:
+            best: HostBuffer | None = None
+            for b in self._all:
+                if len(b) >= size and sys.getrefcount(b) <= _FREE_REFS and (
+                        best is None or len(b) < len(best)):
+                    best = b
+            if best is None:
+                best = allocate(size)
+                self._all.append(best)
+            else:
+                self.reused_bytes += size
+            return memoryview(best)[:size]
 
-REUSE_ENV = "HVD_RESILIENT_SNAPSHOT_REUSE"
-# Refcounts tell when a buffer is free only on CPython.
-_POOL = HostBufferPool(enabled=os.environ.get(REUSE_ENV, "1") != "0"
-                       and sys.implementation.name == "cpython")
+
+# Refcounts tell when a buffer is free only on CPython. The trainer turns reuse off when the
+# config says so (`store.snapshot_reuse`).
+_POOL = HostBufferPool(enabled=sys.implementation.name == "cpython")
 
 
 def pool() -> HostBufferPool:

@@ -25,9 +25,7 @@ import dataclasses
 import hashlib
 import json
 import logging
-import mmap
 import re
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
@@ -35,7 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from hvd_resilient.checkpoint.host_buffers import HostBuffer, allocate
+from hvd_resilient.checkpoint.host_buffers import HostBufferPool
 from hvd_resilient.checkpoint.manifest import (
     MANIFEST_NAME,
     REPLICATED,
@@ -57,6 +55,7 @@ from hvd_resilient.checkpoint.stores import (
     redact_url,
     validate_key,
 )
+from hvd_resilient.errors import HvdResilientError
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +68,7 @@ Decode = Callable[[str, Buffer], Any]
 READ_AHEAD = 2
 
 
-class CheckpointError(Exception):
+class CheckpointError(HvdResilientError):
     """Base of the manager's own errors."""
 
 
@@ -137,36 +136,6 @@ def emit(on_event: EventFn | None, name: str, fields: dict[str, Any]) -> None:
 def sha256_hex(data: Buffer) -> str:
     # hashlib releases the GIL on large buffers, so this overlaps with network I/O.
     return hashlib.sha256(data).hexdigest()
-
-
-class _Buffers:
-    """Download buffers handed back after use. A fresh 100 MB buffer costs ~60 ms of page
-    faults on a small machine, as much as downloading it; a restore that reuses a few
-    buffers for all its files pays that only for the first ones."""
-
-    def __init__(self) -> None:
-        self._free: list[HostBuffer] = []
-        self._lock = threading.Lock()
-
-    def take(self, size: int) -> memoryview:
-        """A writable view of exactly ``size`` bytes, on the smallest free buffer that fits."""
-        with self._lock:
-            fits = [b for b in self._free if len(b) >= size]
-            buf = min(fits, key=len) if fits else None
-            if buf is not None:
-                self._free.remove(buf)
-        return memoryview(buf if buf is not None else allocate(size))[:size]
-
-    def give(self, view: memoryview) -> None:
-        """Return a view's buffer for reuse; the view must not be used afterwards."""
-        buf = view.obj
-        try:
-            view.release()
-        except BufferError:  # someone still holds it: let it be garbage, never reuse it
-            return
-        if isinstance(buf, bytearray | mmap.mmap):
-            with self._lock:
-                self._free.append(buf)
 
 
 @dataclass
@@ -438,7 +407,7 @@ class CheckpointManager:
     # ---- verify / load --------------------------------------------------------------------
 
     def check_file(
-        self, info: CheckpointInfo, name: str, buffers: _Buffers | None = None
+        self, info: CheckpointInfo, name: str, buffers: HostBufferPool | None = None
     ) -> tuple[Buffer | None, str]:
         """Fetch file ``name`` of ``info`` and check its size and sha256 against the
         manifest: ``(data, "")``, or ``(None, problem)`` such as ``"state.pt sha256
@@ -449,7 +418,7 @@ class CheckpointManager:
             StoreError: the store failed (an outage is not corruption).
         """
         entry = info.files[name]
-        out = None if buffers is None else buffers.take(entry.size)
+        out = None if buffers is None else buffers.borrow(entry.size)
         try:
             data, digest = self.store.get_hashed(info.key(name), entry.size, out)
         except StoreNotFoundError:
@@ -460,12 +429,10 @@ class CheckpointManager:
             problem = file_problem(name, entry, sha256=digest)
             if not problem:
                 return data, ""
-        if out is not None and buffers is not None:
-            buffers.give(out)
         return None, problem
 
     def _read_all(
-        self, info: CheckpointInfo, reuse: bool = False, kept: set[str] | None = None
+        self, info: CheckpointInfo, reuse: bool = False
     ) -> Iterator[tuple[str, Buffer | None, str]]:
         """Yield ``(name, data, problem)`` for every file of ``info`` in name order.
 
@@ -473,11 +440,11 @@ class CheckpointManager:
         on the file just yielded (a split state's parts become tensors while the next parts
         arrive); the bound keeps at most that many files in memory besides what
         the caller kept. With ``reuse`` a file's buffer is recycled for a later file once the
-        caller asks for the next one, so only the first few files fault in fresh memory; a file
-        whose name the caller put into ``kept`` before asking for the next is never recycled.
+        caller let go of it, so only the first few files fault in fresh memory; a buffer the
+        caller still refers to (tensors that are views of it) is never recycled.
         Stopping early cancels what has not started.
         """
-        buffers = _Buffers() if reuse else None
+        buffers = HostBufferPool() if reuse else None
         pool = ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="ckpt-read")
         ahead: deque[tuple[str, Future[tuple[Buffer | None, str]]]] = deque()
         names = iter(sorted(info.files))
@@ -491,9 +458,7 @@ class CheckpointManager:
                 data, problem = fut.result()
                 del fut
                 yield name, data, problem
-                if buffers is not None and data is not None and name not in (kept or ()):
-                    buffers.give(data)  # type: ignore[arg-type]
-                del data
+                del data  # its buffer serves a later file, unless the caller still holds it
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
 
@@ -526,13 +491,10 @@ class CheckpointManager:
             Whatever ``decode`` raises.
         """
         out: dict[str, Any] = {}
-        kept: set[str] = set()
-        for name, data, problem in self._read_all(info, reuse=decode is not None, kept=kept):
+        for name, data, problem in self._read_all(info, reuse=decode is not None):
             if data is None:
                 raise CheckpointCorruptError(info.prefix, problem)
             out[name] = data if decode is None else decode(name, data)
-            if out[name] is data:
-                kept.add(name)
             del data  # a decoded file's bytes are garbage now, not at the end of the loop
         self._verified.add(info.prefix)
         return out

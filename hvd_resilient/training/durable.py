@@ -94,6 +94,7 @@ class DurableCheckpoints:
             self._manager = CheckpointManager(
                 self.config.checkpoint_url, keep_last=self.config.keep_last,
                 keep_every=self.config.keep_every, on_event=self._emit,
+                **self.config.store.store_options(self.config.checkpoint_url),
             )
             if self._faults is not None and self._faults.fires_at("upload"):
                 self._manager.publish = self._fault_before(self._manager.publish)  # type: ignore[method-assign]

@@ -3,7 +3,8 @@
 A plan comes from one environment variable, read once by the entry point and passed down:
 `HVD_RESILIENT_FAULT="kill:rank=1:step=50"` (also `raise:` for a Python exception and
 `abort:` for an out-of-memory-style abort, and `stall:rank=0:step=30:seconds=6` for a rank
-that is alive but busy in Python, which must NOT be taken for a failure). `at=upload` fires in
+that is alive but busy in Python, which must NOT be taken for a failure; `hang:` for a rank
+that never ends its step, `freeze:` for one that stops itself with SIGSTOP). `at=upload` fires in
 the checkpoint writer instead, once the files of that step's checkpoint are stored and before
 its manifest is published: the worst moment for rank 0 to die. Each fault fires once
 per run: a marker file in the run folder remembers it (and when it fired), so the worker that
@@ -21,7 +22,7 @@ from pathlib import Path
 from hvd_resilient.errors import ConfigError
 
 ENV = "HVD_RESILIENT_FAULT"
-KINDS = ("kill", "raise", "abort", "stall")
+KINDS = ("kill", "raise", "abort", "stall", "hang", "freeze")
 MOMENTS = ("step", "upload")
 
 
@@ -81,5 +82,11 @@ class FaultPlan:
                 os.abort()
             elif f.kind == "stall":
                 time.sleep(f.seconds)  # the fault IS the sleep: a rank busy in Python
+                continue
+            elif f.kind == "hang":
+                while True:  # alive, threads running, no progress: the watchdog's case
+                    time.sleep(3600)
+            elif f.kind == "freeze":
+                os.kill(os.getpid(), signal.SIGSTOP)  # as a paused VM: the peers' case
                 continue
             raise InjectedFault(f"injected fault at rank {rank} step {step}")

@@ -20,23 +20,21 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
-from hvd_resilient import backends, log
+from hvd_resilient import backends, log, watchdog
 from hvd_resilient.backends import determinism
 from hvd_resilient.backends.threads import share_cores
+from hvd_resilient.checkpoint.host_buffers import pool as snapshot_pool
 from hvd_resilient.config import TrainConfig
+from hvd_resilient.errors import PREEMPTED_EXIT_CODE
 from hvd_resilient.events import EventLog
 from hvd_resilient.state.sampler import ElasticDataSampler, StepSlice
 from hvd_resilient.training import memory
 from hvd_resilient.training.durable import DurableCheckpoints
 from hvd_resilient.training.faults import ENV as FAULT_ENV
 from hvd_resilient.training.faults import FaultPlan
+from hvd_resilient.watchdog import ProgressWatchdog
 
 logger = log.get("trainer")
-
-PREEMPTED_EXIT_CODE = 75
-"""Exit status after a graceful stop on SIGTERM/SIGUSR1 with a final checkpoint (EX_TEMPFAIL):
-a supervisor or `sbatch --requeue` restarts the job, which then resumes from that checkpoint."""
-
 
 class Preempted(SystemExit):
     def __init__(self) -> None:
@@ -100,10 +98,12 @@ class Trainer:
 
     def fit(self) -> FitResult:
         cfg = self.config
-        backend = self.backend = backends.get(self.backend_name, fsdp=cfg.fsdp)
+        backend = self.backend = backends.get(
+            self.backend_name, fsdp=cfg.fsdp, recovery=cfg.recovery)
         determinism.apply(cfg.deterministic)  # before init: Horovod reads its fusion setting there
         backend.init(self.comm)
-        log.setup(rank_fn=backend.rank)
+        log.setup(rank_fn=backend.rank, level=cfg.observability.log_level)
+        snapshot_pool().enabled = snapshot_pool().enabled and cfg.store.snapshot_reuse
         share_cores(backend.local_size())
         events = EventLog(f"{cfg.run_dir}/events.jsonl", rank=backend.rank, size=backend.size)
         model, optimizer = backend.wrap(self.model, self.optimizer)
@@ -124,13 +124,23 @@ class Trainer:
         preempt = _flag_preemption()
         self._watch_memory(state, events, backend)
 
+        dog = self._dog = ProgressWatchdog(
+            run_dir=cfg.run_dir, rank=backend.rank, emit=events.emit,
+            timeout_s=cfg.recovery.progress_timeout_seconds,
+            floor_s=cfg.recovery.progress_floor_seconds, factor=cfg.recovery.progress_factor,
+            first_step_s=cfg.recovery.first_step_seconds)
+        watchdog.install(dog.start())
+
         def train(state: Any) -> None:
             self._loop(state, durable, preempt)
-            durable.finish()
+            with dog.section("final checkpoint", None):  # an upload takes what it takes
+                durable.finish()
 
         try:
             backend.run(train, state)
         finally:
+            dog.stop()
+            watchdog.install(None)
             durable.close(timeout=cfg.grace_seconds)
         events.emit("done", epoch=state.epoch, loss=state.last_loss,
                     params_sha256=state.params_sha256())
@@ -203,6 +213,7 @@ class Trainer:
                 self.scheduler.step()
             if self.on_step is not None:
                 self.on_step(state, state.last_loss)
+            self._dog.step()
             steps_since_log += 1
             if state.step % cfg.log_every == 0:
                 now = time.time()
@@ -230,15 +241,22 @@ class Trainer:
         loss = self.loss_fn(self._wrapped(inputs), targets)
         # Ranks may hold unequal shares of the last batch of an epoch; weighting by share
         # makes the averaged gradient the exact mean over the global batch.
-        (loss * weight).backward()
-        optimizer.step()
+        if self.backend.reduces_in_backward:  # DDP: backward waits for the allreduce
+            with self._dog.waiting_for_peers():
+                (loss * weight).backward()
+                optimizer.step()
+        else:  # Horovod: backward only starts the allreduces; step() waits for them
+            (loss * weight).backward()
+            with self._dog.waiting_for_peers():
+                optimizer.step()
         return float(loss.detach()) if sl.indices else None
 
     def _stop_for_preemption(self, state: Any, durable: DurableCheckpoints) -> None:
         t0 = time.time()
         state.commit()
-        durable.save(blocking=True)
-        durable.close(timeout=self.config.grace_seconds)
+        with self._dog.section("preemption checkpoint", self.config.grace_seconds + 5):
+            durable.save(blocking=True)
+            durable.close(timeout=self.config.grace_seconds)
         state.events.emit("preempted", seconds=round(time.time() - t0, 3),
                           exit_code=PREEMPTED_EXIT_CODE)
         if self.backend.rank() == 0:

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from jobs import JobRunner  # noqa: E402
-from netns import Cluster, MissingTool, Unavailable  # noqa: E402
+from tests.support.jobs import JobRunner
+from tests.support.netns import Cluster, MissingTool, Unavailable
 
 
 class Chaos:

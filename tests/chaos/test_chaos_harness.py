@@ -7,10 +7,11 @@ import os
 import socket
 import subprocess
 
-import netns
 import psutil
 import pytest
-from jobs import wait_for
+
+from tests.support import netns
+from tests.support.jobs import wait_for
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(120)]
 

@@ -9,7 +9,8 @@ interval. The timings go to stdout and, with HVD_CHAOS_REPORT=FILE, to FILE.
 from __future__ import annotations
 
 import pytest
-from elastic_run import ElasticRun
+
+from tests.support.elastic_run import ElasticRun
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from elastic_run import ElasticRun
+
+from tests.support.elastic_run import ElasticRun
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""The job tests/test_fsdp.py launches under torchrun: the Trainer with `--fsdp`, AdamW and a
-scheduler on a small MLP whose layer sizes do not divide by 2 or 4 (uneven shards, padding).
+"""The job tests/integration/test_fsdp.py launches under torchrun: the Trainer with `--fsdp`,
+AdamW and a scheduler on a small MLP whose layer sizes do not divide by 2 or 4 (uneven shards,
+padding).
 
 It writes the full (gathered) model and optimizer state to `--dump-dir` at every checkpoint
 step (`saved-<step>-w<world>.pt`, the state the checkpoint holds) and right after a resume
@@ -20,13 +21,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from hvd_resilient.backends.torchrun import fsdp  # noqa: E402
-from hvd_resilient.config import TrainConfig  # noqa: E402
-from hvd_resilient.errors import exit_on_error  # noqa: E402
-from hvd_resilient.training.durable_sharded import ShardedDurableCheckpoints  # noqa: E402
-from hvd_resilient.training.trainer import Trainer  # noqa: E402
+from hvd_resilient.backends.torchrun import fsdp
+from hvd_resilient.config import TrainConfig
+from hvd_resilient.errors import exit_on_error
+from hvd_resilient.training.durable_sharded import ShardedDurableCheckpoints
+from hvd_resilient.training.trainer import Trainer
 
 
 def data(n: int = 640) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -20,6 +20,10 @@ class HorovodBackend(Backend):
     name = "horovod"
     resume_on_every_rank = False
 
+    def __init__(self, heartbeat_timeout_s: float = elastic.HEARTBEAT_TIMEOUT_S) -> None:
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        """A peer silent this long is evicted (0: heartbeats off)."""
+
     def init(self, comm: Any | None = None) -> None:
         hvd_init.init(comm, ordered=True)  # wrap() builds the ordered optimizer when asked
 
@@ -47,7 +51,7 @@ class HorovodBackend(Backend):
         return ElasticState(model, optimizer, **kwargs)
 
     def run(self, fn: Callable[[Any], None], state: Any) -> None:
-        elastic.run(fn)(state)
+        elastic.run(fn, heartbeat_timeout_s=self.heartbeat_timeout_s)(state)
 
     def allgather_object(self, obj: Any) -> list[Any]:
         return hvd.allgather_object(obj)

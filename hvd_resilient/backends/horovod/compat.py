@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
+from typing import Any
 
 from hvd_resilient.errors import LaunchError
 
@@ -54,6 +55,9 @@ DRIVER_FIELDS = (
     ("horovod.runner.elastic.discovery", "HostDiscoveryScript", "_default_slots"),
     ("horovod.runner.http.http_server", "RendezvousHTTPServer", "cache"),
     ("horovod.runner.http.http_server", "RendezvousHTTPServer", "cache_lock"),
+    ("horovod.runner.http.http_server", "RendezvousServer", "_httpd"),
+    ("horovod.runner.elastic.registration", "WorkerStateRegistry", "_driver"),
+    ("horovod.runner.elastic.registration", "WorkerStateRegistry", "_barrier"),
 )
 WORKER_TARGETS = (
     # worker side: `backends/horovod/state.py`, `run.py`, and the ordered optimizer
@@ -96,6 +100,43 @@ def _missing(targets: tuple[tuple[str, str], ...],
         if not re.search(rf"self\.{re.escape(attr)}\s*[,=]", init):
             out.append(f"{module}.{cls}().{attr}")
     return out
+
+
+def replace(owner: object, name: str, new: object) -> object:
+    """Puts ``new`` in place of ``owner.name`` and returns the original: the one way the
+    project patches Horovod. A target not declared above is a programming error (it would
+    escape `check_compatible`), so it stops here, at install, not minutes into a job."""
+    module = getattr(owner, "__module__", None) or getattr(owner, "__name__", "")
+    if isinstance(owner, type(importlib)):  # a module: its own name
+        module = owner.__name__
+        dotted = name
+    else:
+        dotted = f"{owner.__qualname__}.{name}"  # type: ignore[attr-defined]
+    declared = {(m, d) for m, d in (*DRIVER_TARGETS, *WORKER_TARGETS)}
+    if (module, dotted) not in declared:
+        raise LaunchError(f"internal: {module}.{dotted} is patched but not declared in "
+                          "backends/horovod/compat.py")
+    original = getattr(owner, name)
+    setattr(owner, name, new)
+    return original
+
+
+def kv_get(driver: Any, scope: str) -> dict[str, bytes]:
+    """One scope of the driver's rendezvous key-value store (what workers PUT there)."""
+    httpd = driver._rendezvous._httpd
+    with httpd.cache_lock:
+        return dict(httpd.cache.get(scope, {}))
+
+
+def kv_set(driver: Any, scope: str, key: str, value: bytes | None) -> None:
+    """Sets (None: removes) one key of the driver's rendezvous key-value store."""
+    httpd = driver._rendezvous._httpd
+    with httpd.cache_lock:
+        bucket = httpd.cache.setdefault(scope, {})
+        if value is None:
+            bucket.pop(key, None)
+        else:
+            bucket[key] = value
 
 
 def check_compatible(*, driver: bool) -> str:

@@ -19,8 +19,9 @@ import torch
 from horovod.common.elastic import notification_manager
 from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 
+from hvd_resilient import watchdog
 from hvd_resilient.backends.horovod import slots
-from hvd_resilient.backends.horovod.detect import driver_watch, peer_watch
+from hvd_resilient.backends.horovod.detect import driver_watch, peer_watch, silent_peers
 from hvd_resilient.backends.horovod.state import ElasticState, is_elastic
 from hvd_resilient.backends.threads import share_cores
 from hvd_resilient.log import get
@@ -34,8 +35,16 @@ def _one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
 
 
-def run(func: Callable[..., T]) -> Callable[..., T]:
-    """Decorates `train(state, ...)`; the function must not start with a collective."""
+HEARTBEAT_TIMEOUT_S = 1.5
+"""Default of `recovery.heartbeat_timeout_seconds`: a peer silent this long is evicted."""
+
+
+def run(func: Callable[..., T] | None = None, *,
+        heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S) -> Any:
+    """Decorates `train(state, ...)`; the function must not start with a collective.
+    `@run` or `@run(heartbeat_timeout_s=...)` (0: no heartbeats)."""
+    if func is None:
+        return functools.partial(run, heartbeat_timeout_s=heartbeat_timeout_s)
 
     @functools.wraps(func)
     def wrapper(state: ElasticState, *args: Any, **kwargs: Any) -> T:
@@ -46,24 +55,28 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
         notification_manager.register_listener(state)
         driver_watch.start(state.events)
         watch = peer_watch.PeerWatch()
+        silent = silent_peers.SilentPeers(heartbeat_timeout_s, state.events, watch.trip)
         skip_sync = False
         try:
             while True:
                 try:
-                    _arm(watch, state)
-                    if not skip_sync:
-                        t0 = time.time()
-                        state.sync()
-                        state.events.emit("sync", seconds=round(time.time() - t0, 6))
+                    with watchdog.section("sync", None):  # waits for joiners, as long as it takes
+                        _arm(watch, silent, state)
+                        if not skip_sync:
+                            t0 = time.time()
+                            state.sync()
+                            state.events.emit("sync", seconds=round(time.time() - t0, 6))
                     result = func(state, *args, **kwargs)
                     # Nobody may leave (and hang up on a still-watching peer) before everyone
                     # stopped watching: disarm, then meet once more.
                     watch.disarm()
+                    silent.disarm()
                     hvd.allreduce(torch.zeros(1), name="hvd_resilient.done")
                     return result
                 except HorovodInternalError as e:
                     detected = time.time()
                     watch.disarm()
+                    silent.disarm()
                     hung_up = watch.detected_at
                     state.events.emit(
                         "failure_detected", error=_one_line(e),
@@ -78,12 +91,14 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
                 except HostsUpdatedInterrupt as e:
                     detected = time.time()
                     watch.disarm()
+                    silent.disarm()
                     state.events.emit("hosts_changed", removed_only=bool(e.skip_sync))
                     skip_sync = e.skip_sync
                 old_size = hvd.size()
-                hvd.shutdown()
-                hvd.init()
-                state.on_reset()
+                with watchdog.section("reset", None):  # the driver may wait minutes for hosts
+                    hvd.shutdown()
+                    hvd.init()
+                    state.on_reset()
                 state.events.emit(
                     "reset", old_size=old_size, new_size=hvd.size(),
                     seconds=round(time.time() - detected, 6),
@@ -92,21 +107,25 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
                     log.info("reset: world size %d -> %d", old_size, hvd.size())
         finally:
             watch.disarm()
+            silent.disarm()
             notification_manager.remove_listener(state)
 
     return wrapper
 
 
-def _arm(watch: peer_watch.PeerWatch, state: ElasticState) -> None:
-    """Every rank publishes its connections; a collective, so a failure here is caught like
-    any other."""
+def _arm(watch: peer_watch.PeerWatch, silent: silent_peers.SilentPeers,
+         state: ElasticState) -> None:
+    """Every rank publishes its connections and its heartbeat address; a collective, so a
+    failure here is caught like any other."""
     machine = slots.machine()
-    everyone = hvd.allgather_object((peer_watch.local_connections(), machine))
-    watched = watch.arm([conns for conns, _ in everyone], hvd.rank())
+    everyone = hvd.allgather_object(
+        (peer_watch.local_connections(), machine, silent.peer(hvd.rank())))
+    watched = watch.arm([conns for conns, _, _ in everyone], hvd.rank())
+    beats = silent.arm(hvd.rank(), [p for _, _, p in everyone])
     if watched == 0 and hvd.size() > 1:
         log.warning("no Gloo connections found to watch; failures are detected at the Gloo "
                     "timeout only")
     # With slot hosts every worker is alone on its "host" (hvd.local_size() == 1): count the
     # workers on this machine from what every rank just said, at every (re)start.
-    threads = share_cores(sum(m == machine for _, m in everyone))
-    state.events.emit("watch", connections=watched, threads=threads)
+    threads = share_cores(sum(m == machine for _, m, _ in everyone))
+    state.events.emit("watch", connections=watched, heartbeats=beats, threads=threads)

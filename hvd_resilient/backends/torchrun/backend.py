@@ -27,17 +27,18 @@ from hvd_resilient.backends import determinism
 from hvd_resilient.backends.base import Backend
 from hvd_resilient.backends.torchrun.state import TorchrunState
 
-INIT_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("HVD_RESILIENT_PG_TIMEOUT", "300")))
-
 
 class TorchDistBackend(Backend):
     name = "torchrun"
     resume_on_every_rank = True
+    reduces_in_backward = True
 
-    def __init__(self, fsdp: bool = False) -> None:
+    def __init__(self, fsdp: bool = False, pg_timeout_seconds: float = 300.0) -> None:
         self.device = torch.device("cpu")
         self.fsdp = fsdp
         """Shard the model (FSDP2) instead of replicating it (DDP)."""
+        self.pg_timeout = datetime.timedelta(seconds=pg_timeout_seconds)
+        """How long forming the process group (and its store) may take (config: recovery)."""
 
     def init(self, comm: Any | None = None) -> None:
         env = os.environ
@@ -49,10 +50,10 @@ class TorchDistBackend(Backend):
             torch.cuda.set_device(self.device)
         restart = env.get("TORCHELASTIC_RESTART_COUNT", "0")
         base = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size=world,
-                             is_master=False, timeout=INIT_TIMEOUT)
+                             is_master=False, timeout=self.pg_timeout)
         store = dist.PrefixStore(f"hvd_resilient/round{restart}/", base)
         dist.init_process_group("nccl" if use_cuda else "gloo", store=store, rank=rank,
-                                world_size=world, timeout=INIT_TIMEOUT)
+                                world_size=world, timeout=self.pg_timeout)
 
     def rank(self) -> int:
         return dist.get_rank()

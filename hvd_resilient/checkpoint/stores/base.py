@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 from hvd_resilient.checkpoint.host_buffers import allocate
+from hvd_resilient.errors import RESTARTABLE_EXIT_CODE, HvdResilientError
 from hvd_resilient.masking import mask_text, mask_url
 
 logger = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ Feed = Callable[[memoryview], object]
 T = TypeVar("T")
 
 
-class StoreError(Exception):
+class StoreError(HvdResilientError):
     """Base of every error a store raises; the message is one line, free of secrets."""
 
 
@@ -38,8 +39,10 @@ class TransientStoreError(StoreError):
     """A failure that may pass on its own (throttling, 5xx, timeouts, refused connections).
 
     The public store methods retry these with capped, jittered exponential backoff before
-    letting one escape.
+    letting one escape; one that escapes exits restartable, so a launcher tries again.
     """
+
+    exit_code = RESTARTABLE_EXIT_CODE
 
 
 class StorePermissionError(StoreError):

@@ -20,6 +20,8 @@ teaching it
 - a worker exiting with FATAL_EXIT_CODE (78: an error no restart fixes, such as a bad config)
   stops the whole job at once (`install_fatal_stop`) instead of having its slot blacklisted and
   restarted into the same error;
+- a slot its workers found silent (frozen, cut off) is ended at once (`evict`), so the reset
+  does not wait for a worker that will never reach the rendezvous;
 - one line instead of the launcher's traceback (`main`): nothing at all when a worker stopped
   on a fatal error (that worker recorded it; `hvd-resilient run` prints it once).
 All of it only wraps methods of Horovod's launcher; the protocol between driver and workers
@@ -38,9 +40,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from hvd_resilient.backends.horovod import compat
 from hvd_resilient.backends.horovod import slots as slot_hosts
-from hvd_resilient.backends.horovod.compat import check_compatible
 from hvd_resilient.errors import FATAL_EXIT_CODE, LaunchError
+from hvd_resilient.launch.horovod import evict
 from hvd_resilient.launch.horovod import standby as standby_mod
 
 logger = logging.getLogger("hvd_resilient.launch")
@@ -68,31 +71,14 @@ def install() -> None:
     from horovod.runner.util import network, remote
 
     resolve = network.resolve_host_address
-    network.resolve_host_address = lambda name: resolve(slot_hosts.real_host(name))
-    for mod in (remote, gloo_run, launch, driver_service):
-        if hasattr(mod, "get_remote_command"):
-            mod.get_remote_command = _real_host_arg(mod.get_remote_command)
+    compat.replace(network, "resolve_host_address",
+                   lambda name: resolve(slot_hosts.real_host(name)))
+    for mod in (remote, gloo_run, launch, driver_service):  # each checked by check_compatible
+        compat.replace(mod, "get_remote_command", _real_host_arg(mod.get_remote_command))
     for cls in (discovery.HostDiscoveryScript, discovery.FixedHosts):
         find = cls.find_available_hosts_and_slots
-        cls.find_available_hosts_and_slots = (
-            lambda self, _find=find: slot_hosts.split(_find(self))
-        )
-
-
-def _kv(driver: Any, scope: str) -> dict[str, bytes]:
-    httpd = driver._rendezvous._httpd
-    with httpd.cache_lock:
-        return dict(httpd.cache.get(scope, {}))
-
-
-def _kv_set(driver: Any, scope: str, key: str, value: bytes | None) -> None:
-    httpd = driver._rendezvous._httpd
-    with httpd.cache_lock:
-        bucket = httpd.cache.setdefault(scope, {})
-        if value is None:
-            bucket.pop(key, None)
-        else:
-            bucket[key] = value
+        compat.replace(cls, "find_available_hosts_and_slots",
+                       lambda self, _find=find: slot_hosts.split(_find(self)))
 
 
 def _key(slot: Any) -> str:
@@ -124,8 +110,8 @@ def install_standby(ready_timeout_s: float = 120.0) -> None:
                    if (h, s.local_rank) not in active and _key(s) not in standby]
             if new:
                 for s in new:
-                    _kv_set(self, standby_mod.READY, _key(s), None)
-                    _kv_set(self, standby_mod.GO, _key(s), None)
+                    compat.kv_set(self, standby_mod.READY, _key(s), None)
+                    compat.kv_set(self, standby_mod.GO, _key(s), None)
                     with lock:
                         standby[_key(s)] = s
                     self._start_worker_process(s)
@@ -138,7 +124,7 @@ def install_standby(ready_timeout_s: float = 120.0) -> None:
         deadline = time.monotonic() + ready_timeout_s
         standby = _standby_table(self)
         while time.monotonic() < deadline and not self.finished():
-            ready = _kv(self, standby_mod.READY)
+            ready = compat.kv_get(self, standby_mod.READY)
             with lock:  # a standby that died is not waited for: its slot starts cold instead
                 waiting = [s for s in new if _key(s) in standby and _key(s) not in ready]
             if not waiting:
@@ -150,7 +136,7 @@ def install_standby(ready_timeout_s: float = 120.0) -> None:
     def start_or_release(self: Any, pending_slots: list[Any]) -> None:
         standby = _standby_table(self)
         for s in pending_slots:
-            _kv_set(self, standby_mod.GO, _key(s), standby_mod.slot_env(s))
+            compat.kv_set(self, standby_mod.GO, _key(s), standby_mod.slot_env(s))
             with lock:
                 released = standby.pop(_key(s), None) is not None
             if not released:
@@ -172,9 +158,9 @@ def install_standby(ready_timeout_s: float = 120.0) -> None:
             return
         handle_exit(self, slot, exit_code, timestamp)
 
-    ElasticDriver._notify_workers_host_changes = notify_when_ready
-    ElasticDriver._start_worker_processes = start_or_release
-    ElasticDriver._handle_worker_exit = exit_of_standby
+    compat.replace(ElasticDriver, "_notify_workers_host_changes", notify_when_ready)
+    compat.replace(ElasticDriver, "_start_worker_processes", start_or_release)
+    compat.replace(ElasticDriver, "_handle_worker_exit", exit_of_standby)
 
     run_elastic = launch._run_elastic
 
@@ -184,7 +170,7 @@ def install_standby(ready_timeout_s: float = 120.0) -> None:
             args.command = [cmd[0], "-m", "hvd_resilient.launch.horovod.standby", *cmd]
         return run_elastic(args)
 
-    launch._run_elastic = run_elastic_with_standby
+    compat.replace(launch, "_run_elastic", run_elastic_with_standby)
 
 
 def set_discovery_interval() -> None:
@@ -201,7 +187,7 @@ def set_discovery_interval() -> None:
                  f"(unset it for Horovod's 1 s)")
     from horovod.runner.elastic import driver
 
-    driver.DISCOVER_HOSTS_FREQUENCY_SECS = seconds
+    compat.replace(driver, "DISCOVER_HOSTS_FREQUENCY_SECS", seconds)
 
 
 class _Run:
@@ -259,7 +245,8 @@ def install_discovery_check() -> None:
         state["good"], state["bad"] = hosts, None
         return hosts
 
-    discovery.HostDiscoveryScript.find_available_hosts_and_slots = find_available_hosts_and_slots
+    compat.replace(discovery.HostDiscoveryScript, "find_available_hosts_and_slots",
+                   find_available_hosts_and_slots)
 
 
 def _hosts_arg(hosts: dict[str, int]) -> str:
@@ -295,13 +282,13 @@ def install_fatal_stop() -> None:
                        f"fixes (exit code {FATAL_EXIT_CODE}); stopping the job")
             logger.debug("%s", message)
             self.stop(error_message=message)
-            barrier = getattr(self._worker_registry, "_barrier", None)
+            barrier = self._worker_registry._barrier  # None until the first reset
             if barrier is not None:  # workers already waiting at a reset must not wait forever
                 barrier.abort()
         handle_exit(self, slot, exit_code, timestamp)
 
-    ElasticDriver._handle_worker_exit = stop_on_fatal
-    WorkerStateRegistry._wait = wait_unless_stopped
+    compat.replace(ElasticDriver, "_handle_worker_exit", stop_on_fatal)
+    compat.replace(WorkerStateRegistry, "_wait", wait_unless_stopped)
     _quiet_hung_up_clients()
 
 
@@ -318,7 +305,7 @@ def _quiet_hung_up_clients() -> None:
             return
         handle_error(self, request, client_address)
 
-    RendezvousHTTPServer.handle_error = handle_error_quietly
+    compat.replace(RendezvousHTTPServer, "handle_error", handle_error_quietly)
 
 
 def _thread_excepthook(args: threading.ExceptHookArgs) -> None:
@@ -353,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
     install_log_scrubber()
     since = time.time()
     try:  # before any patch: an untested Horovod stops here, not minutes into the job
-        check_compatible(driver=True)
+        compat.check_compatible(driver=True)
     except LaunchError as e:
         sys.exit(f"hvd-resilient: launcher: {e}")
     set_discovery_interval()
@@ -363,10 +350,12 @@ def main(argv: list[str] | None = None) -> None:
     install_fatal_stop()  # before the standby, which wraps the worker-exit handler again
     if os.environ.get(STANDBY_ENV, "1") != "0":
         install_standby()
+    args = sys.argv[1:] if argv is None else argv
+    evict.install(args, lambda name, **fields: _events().emit(name, **fields))
     threading.excepthook = _thread_excepthook
     from horovod.runner.launch import run_commandline
 
-    sys.argv = ["horovodrun", *(sys.argv[1:] if argv is None else argv)]
+    sys.argv = ["horovodrun", *args]
     try:
         run_commandline()
     except KeyboardInterrupt:

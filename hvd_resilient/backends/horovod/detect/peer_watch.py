@@ -143,6 +143,16 @@ class PeerWatch:
                 self._kick(socks)
             return
 
+    def trip(self, detail: str) -> None:
+        """Another detector (the heartbeats) found a peer gone: fail the collectives as a
+        hang-up would."""
+        with self._lock:
+            if not self._armed or self.detected_at is not None:
+                return
+            self.detected_at = time.time()
+            self.detail = detail
+            self._kick(self._socks)
+
     @staticmethod
     def _kick(socks: list[socket.socket]) -> None:
         for s in socks:

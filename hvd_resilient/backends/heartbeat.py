@@ -1,0 +1,164 @@
+"""Peer heartbeats: a frozen or cut-off peer is found in seconds, not at the Gloo timeout.
+
+A process stopped by SIGSTOP (or a paused VM) keeps its connections: its kernel still ACKs, so
+nothing hangs up. A host that loses power or its network sends nothing at all. Both leave every
+peer blocked in a collective until the Gloo timeout. So each worker runs one small thread that
+sends a UDP datagram to a few peers every `interval_s` and expects one back: the ranks within two
+places of it on the ring (every peer in a world of up to five), so the traffic per worker stays
+constant at any scale and every rank is watched by up to four others. A peer silent for
+`timeout_s` is reported through `on_lost`, once per arming.
+
+The thread watches itself too: if its own loop was held up longer than `timeout_s` (this process
+was the frozen one, or starved), its peers have given up on it, so it reports `on_self_frozen`
+instead of blaming them. If every watched peer falls silent at once, either they all froze or
+this host is cut off; `is_cut_off` (a probe of the launcher's driver or store) decides, and a
+cut-off worker reports `on_cut_off` so that it stops instead of training on beside the others.
+
+What it cannot tell apart: a peer starved of CPU for longer than `timeout_s` looks frozen.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hvd_resilient.log import get
+
+log = get("heartbeat")
+
+INTERVAL_S = 0.2
+RING_REACH = 2
+"""Each rank watches the ranks up to this many places away on each side."""
+
+
+@dataclass(frozen=True)
+class Peer:
+    """What a rank tells the others about itself at every (re)start (one allgather)."""
+
+    rank: int
+    address: tuple[str, int]
+    """Where its heartbeat socket listens."""
+    machine: str
+    pid: int
+    slot: str = ""
+    """The launcher's name for its place ("host+0:0" under Horovod): what the driver ends."""
+
+
+def watched(me: int, world: int, reach: int = RING_REACH) -> list[int]:
+    """The ranks `me` exchanges heartbeats with: symmetric, so whoever watches a rank also
+    hears from it."""
+    out = []
+    for k in range(1, reach + 1):
+        for r in ((me + k) % world, (me - k) % world):
+            if r != me and r not in out:
+                out.append(r)
+    return sorted(out)
+
+
+class Heartbeat:
+    """One socket and one thread per process, for its whole life. `arm` after every (re)start
+    names the peers and starts judging them; `disarm` stops judging but keeps sending, so a
+    rank that is done (or resetting) is never taken for a silent one by a peer still busy."""
+
+    def __init__(self, timeout_s: float, *, on_lost: Callable[[list[Peer], float], None],
+                 on_self_frozen: Callable[[float], None],
+                 on_cut_off: Callable[[list[Peer]], None],
+                 is_cut_off: Callable[[], bool], interval_s: float = INTERVAL_S) -> None:
+        self.timeout_s = timeout_s
+        self.interval_s = interval_s
+        self.on_lost, self.on_self_frozen = on_lost, on_self_frozen
+        self.on_cut_off, self.is_cut_off = on_cut_off, is_cut_off
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("0.0.0.0", 0))
+        self.sock.setblocking(False)
+        self._lock = threading.Lock()
+        self._peers: list[Peer] = []
+        self._last: dict[int, float] = {}
+        self._judging = False
+        self._thread: threading.Thread | None = None
+        self._token = str(os.getpid()).encode()
+
+    @property
+    def port(self) -> int:
+        return int(self.sock.getsockname()[1])
+
+    def arm(self, me: int, everyone: list[Peer]) -> int:
+        """Watches this rank's ring neighbours among `everyone` (one `Peer` per rank, in rank
+        order); returns how many (0: heartbeats off)."""
+        if self.timeout_s <= 0:
+            return 0
+        peers = [everyone[r] for r in watched(me, len(everyone))]
+        now = time.monotonic()
+        with self._lock:
+            self._peers = peers
+            self._last = {p.pid: now for p in peers}
+            self._judging = bool(peers)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="hvd-resilient-heartbeat",
+                                            daemon=True)
+            self._thread.start()
+        return len(peers)
+
+    def disarm(self) -> None:
+        with self._lock:
+            self._judging = False
+
+    def _run(self) -> None:
+        tick = time.monotonic()
+        while True:
+            with self._lock:
+                peers = list(self._peers)
+            for p in peers:
+                try:
+                    self.sock.sendto(self._token, p.address)
+                except OSError:
+                    pass  # unreachable now: the silence will say so
+            readable, _, _ = select.select([self.sock], [], [], self.interval_s)
+            now = time.monotonic()
+            gap, tick = now - tick, now
+            with self._lock:
+                if readable:
+                    self._drain(now)
+                if not self._judging:
+                    continue
+                if gap > self.timeout_s:  # this process did not run: the peers gave up on it
+                    self._judging = False
+                    verdict: tuple = ("frozen", gap)
+                else:
+                    silent = [p for p in self._peers if now - self._last[p.pid] > self.timeout_s]
+                    if not silent:
+                        continue
+                    self._judging = False
+                    verdict = ("silent", silent, max(now - self._last[p.pid] for p in silent),
+                               len(silent) == len(self._peers))
+            if verdict[0] == "frozen":
+                self.on_self_frozen(gap)
+            elif verdict[3] and self.is_cut_off():
+                self.on_cut_off(verdict[1])
+            else:
+                self.on_lost(verdict[1], verdict[2])
+
+    def _drain(self, now: float) -> None:
+        by_token = {str(p.pid).encode(): p.pid for p in self._peers}
+        while True:
+            try:
+                data, _ = self.sock.recvfrom(64)
+            except OSError:  # BlockingIOError: nothing more to read
+                return
+            pid = by_token.get(data)
+            if pid is not None:
+                self._last[pid] = now
+
+
+def probe(address: tuple[str, int], timeout: float = 0.5) -> bool:
+    """True when a TCP connection to `address` opens (the driver or store is reachable)."""
+    try:
+        socket.create_connection(address, timeout=timeout).close()
+        return True
+    except OSError:
+        return False

@@ -1,0 +1,146 @@
+"""The driver ends the workers its workers found silent, as fast as they found them.
+
+Horovod re-forms the world only once every worker has failed or reached the rendezvous; a
+frozen worker (SIGSTOP, a paused VM) or one on a cut-off host does neither, so without this the
+survivors would wait at the rendezvous for a process that never comes, and the driver would
+learn of a lost host only when its ssh session times out. Workers PUT the slot of a peer they
+found silent into the rendezvous store (`silent_peers.LOST_SCOPE`); a thread of the driver
+reads it every `POLL_S` and ends that slot's launch process (the local shell, or the ssh client
+of a remote slot). Horovod then sees the slot exit non-zero and handles it as any failure: the
+slot goes through its cooldown and the reset proceeds with the others. A remote worker is also
+killed over ssh (best effort: a cut-off host cannot be reached, and stops itself).
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psutil
+
+from hvd_resilient.backends.horovod import compat
+from hvd_resilient.backends.horovod import slots as slot_hosts
+from hvd_resilient.backends.horovod.detect.silent_peers import LOST_SCOPE
+
+logger = logging.getLogger("hvd_resilient.launch")
+
+POLL_S = 0.1
+REMOTE_KILL_TIMEOUT_S = 10.0
+
+
+def slot_processes(hostname: str, local_rank: str) -> list[psutil.Process]:
+    """This driver's descendants that launched the slot: Horovod starts each worker as
+    `env HOROVOD_HOSTNAME=<host> ... HOROVOD_LOCAL_RANK=<n> ... python ...` (through a local
+    shell, or inside an ssh client's command line)."""
+    want = (f"HOROVOD_HOSTNAME={hostname} ", f"HOROVOD_LOCAL_RANK={local_rank} ")
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            line = " ".join(p.cmdline()) + " "
+        except psutil.Error:
+            continue
+        if all(w in line for w in want):
+            out.append(p)
+    return out
+
+
+def end_slot(hostname: str, local_rank: str, pid: int,
+             remote_kill: Callable[[str, int], None]) -> str:
+    """Ends a slot's launch process tree (SIGKILL: a stopped process ignores everything else);
+    returns how ("local", "ssh" or "" when none was found)."""
+    procs = slot_processes(hostname, local_rank)
+    if not procs:
+        return ""
+    remote = any(_name(p) == "ssh" for p in procs)
+    for p in procs:
+        for q in [*_descendants(p), p]:
+            try:
+                q.kill()
+            except psutil.Error:
+                pass
+    if remote:
+        threading.Thread(target=remote_kill, args=(slot_hosts.real_host(hostname), pid),
+                         daemon=True, name="hvd-resilient-remote-kill").start()
+    return "ssh" if remote else "local"
+
+
+def ssh_killer(port: str | None, identity: str | None) -> Callable[[str, int], None]:
+    """`kill -9 PID` on a host, over ssh with the job's own settings."""
+    from horovod.runner.util.remote import get_remote_command
+
+    def kill(host: str, pid: int) -> None:
+        cmd = get_remote_command(f"kill -9 {int(pid)}", host=host, port=port,
+                                 identity_file=identity, timeout_s=int(REMOTE_KILL_TIMEOUT_S))
+        try:
+            subprocess.run(cmd, shell=True, timeout=REMOTE_KILL_TIMEOUT_S,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+        except subprocess.TimeoutExpired:
+            logger.warning("could not reach %s to kill its frozen worker %d", host, pid)
+
+    return kill
+
+
+def ssh_settings(argv: list[str]) -> tuple[str | None, str | None]:
+    """horovodrun's -p/--ssh-port and -i/--ssh-identity-file from its arguments."""
+    port = identity = None
+    for i, a in enumerate(argv[:-1]):
+        if a in ("-p", "--ssh-port"):
+            port = argv[i + 1]
+        elif a in ("-i", "--ssh-identity-file"):
+            identity = argv[i + 1]
+    return port, identity
+
+
+def watch(driver: Any, remote_kill: Callable[[str, int], None], emit: Callable[..., Any],
+          poll_s: float = POLL_S) -> None:
+    handled: set[tuple[str, bytes]] = set()
+    while not driver.finished():
+        for key, value in compat.kv_get(driver, LOST_SCOPE).items():
+            if (key, value) in handled:
+                continue
+            handled.add((key, value))
+            hostname, _, local_rank = key.rpartition(":")
+            fields = value.decode(errors="replace").split()
+            if not hostname or not fields or not fields[0].isdigit():
+                continue
+            how = end_slot(hostname, local_rank, int(fields[0]), remote_kill)
+            logger.warning("slot %s[%s] reported silent by its peers: %s", hostname, local_rank,
+                           f"ended ({how})" if how else "no process found (already gone)")
+            emit("slot_evicted", slot=key, pid=int(fields[0]), how=how or None)
+        time.sleep(poll_s)
+
+
+def install(argv: list[str], emit: Callable[..., Any]) -> None:
+    """Starts the watch with the first workers of each driver."""
+    from horovod.runner.elastic.driver import ElasticDriver
+
+    start = ElasticDriver._start_worker_processes
+    killer = ssh_killer(*ssh_settings(argv))
+
+    def start_and_watch(self: Any, pending_slots: list[Any]) -> None:
+        if not self.__dict__.get("_hvdr_evict"):
+            self.__dict__["_hvdr_evict"] = True
+            threading.Thread(target=watch, args=(self, killer, emit), daemon=True,
+                             name="hvd-resilient-evict").start()
+        start(self, pending_slots)
+
+    compat.replace(ElasticDriver, "_start_worker_processes", start_and_watch)
+
+
+def _name(p: psutil.Process) -> str:
+    try:
+        return p.name()
+    except psutil.Error:
+        return ""
+
+
+def _descendants(p: psutil.Process) -> list[psutil.Process]:
+    try:
+        return p.children(recursive=True)
+    except psutil.Error:
+        return []
+

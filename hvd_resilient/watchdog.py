@@ -1,0 +1,192 @@
+"""The progress watchdog: a rank that is alive but makes no progress ends itself, with its stacks.
+
+A deadlock, a stuck collective or an endless loop in user code keeps a process alive with its
+connections open, so nothing hangs up and every peer waits out the Gloo or process-group
+timeout (or, under mpirun, forever). A thread in each worker therefore watches the training
+loop's heartbeat (`step()`): when no step ends within the budget, it writes every thread's stack
+to the run folder, records a `hang_detected` event naming that file, and ends the process with
+HUNG_EXIT_CODE. A dead process is the failure every launcher already handles at once: its
+connections hang up (the peers' hang-up watch resets them in milliseconds under Horovod),
+torchrun's agent restarts the workers, mpirun ends the job and `hvd-resilient run` relaunches.
+
+A hung rank stalls its peers too: they wait for it inside the step's collective. So the
+training loop marks where a rank waits for the others (`waiting_for_peers()`: Horovod's
+`optimizer.step()`, DDP's backward); a rank stalled there is a victim and gives the culprit
+`VICTIM_FACTOR` times the budget to be found and ended (its death then resets the victims in
+milliseconds) before it concludes that the collective itself is stuck and ends itself too.
+
+The budget adapts to the job: `factor` times the slowest step seen so far, never under `floor_s`
+(a fixed `timeout_s` replaces both). Phases that are not steps get their own budget as declared
+sections: the first step (compilation, loader warm-up) and a synchronous checkpoint have long
+ones; waiting for a reset (the driver may wait minutes for hosts) has none. A frozen process
+(SIGSTOP, a paused VM) cannot run this thread at all: its peers detect it (`backends/heartbeat`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from hvd_resilient.errors import HUNG_EXIT_CODE
+
+log = logging.getLogger("hvd_resilient.watchdog")
+
+FIRST_STEP_S = 600.0
+"""Default budget of the first step: it compiles, warms the loader, faults in the optimizer."""
+VICTIM_FACTOR = 3.0
+"""A rank stalled while waiting for its peers waits this many budgets before it fires."""
+
+
+class ProgressWatchdog:
+    """One per worker process; `step()` after every training step, `section()` around the
+    phases that are not steps."""
+
+    def __init__(self, *, run_dir: str, rank: Callable[[], int], emit: Callable[..., Any],
+                 timeout_s: float = 0.0, floor_s: float = 30.0, factor: float = 10.0,
+                 first_step_s: float = FIRST_STEP_S, poll_s: float = 0.1,
+                 on_hang: Callable[[], None] | None = None) -> None:
+        self.run_dir = Path(run_dir)
+        self.rank = rank
+        self.emit = emit
+        self.timeout_s = timeout_s
+        self.floor_s = floor_s
+        self.factor = factor
+        self.poll_s = poll_s
+        self.on_hang = on_hang or _exit_hung
+        self.slowest_s = 0.0
+        self._lock = threading.Lock()
+        self._last = time.monotonic()
+        self._section: tuple[str, float | None] = ("first step", first_step_s)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._waiting = False
+        self.fired = False
+
+    # -- what the training loop calls ---------------------------------------------------
+    def step(self) -> None:
+        """A step ended: progress. The first one ends the 'first step' section."""
+        now = time.monotonic()
+        with self._lock:
+            if self._section[0] == "first step":
+                self._section = ("", None)
+            elif not self._section[0]:
+                self.slowest_s = max(self.slowest_s, now - self._last)
+            self._last = now
+
+    @contextlib.contextmanager
+    def section(self, name: str, budget_s: float | None) -> Iterator[None]:
+        """A phase that is not a step, with its own budget (None: unbounded, e.g. waiting for
+        a reset). The step budget starts afresh when it ends."""
+        with self._lock:
+            outer = self._section
+            self._section, self._last = (name, budget_s), time.monotonic()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._section, self._last = outer, time.monotonic()
+
+    @contextlib.contextmanager
+    def waiting_for_peers(self) -> Iterator[None]:
+        """Around the part of a step that blocks on the other ranks (see the module doc)."""
+        self._waiting = True
+        try:
+            yield
+        finally:
+            self._waiting = False
+
+    def budget(self) -> tuple[str, float | None]:
+        """The current phase and how long it may go without progress."""
+        with self._lock:
+            name, budget = self._section
+        if name:
+            return name, budget
+        if self.timeout_s > 0:
+            return "step", self.timeout_s
+        return "step", max(self.floor_s, self.factor * self.slowest_s)
+
+    # -- the thread ---------------------------------------------------------------------
+    def start(self) -> ProgressWatchdog:
+        self._thread = threading.Thread(target=self._watch, name="hvd-resilient-watchdog",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=1.0)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            name, budget = self.budget()
+            with self._lock:
+                idle = time.monotonic() - self._last
+            if budget is not None and self._waiting:
+                name, budget = f"{name} (waiting for peers)", budget * VICTIM_FACTOR
+            if budget is not None and idle > budget:
+                self._fire(name, idle, budget)
+                return
+
+    def _fire(self, name: str, idle: float, budget: float) -> None:
+        self.fired = True
+        rank = self.rank()
+        path = self.dump_stacks(rank)
+        self.emit("hang_detected", section=name, idle_seconds=round(idle, 3),
+                  budget_seconds=round(budget, 3), stacks=str(path) if path else None,
+                  exit_code=HUNG_EXIT_CODE)
+        log.error("rank %s made no progress for %.1fs in %s (budget %.1fs); stacks in %s; "
+                  "ending this rank so the job recovers now", rank, idle, name or "a step",
+                  budget, path or "(not written)")
+        self.on_hang()
+
+    def dump_stacks(self, rank: int) -> Path | None:
+        """Every thread's Python stack, written with faulthandler (no locks taken: it works
+        whatever the hung thread holds)."""
+        folder = self.run_dir / "hangs"
+        path = folder / f"rank{rank}-pid{os.getpid()}-{time.strftime('%Y%m%dT%H%M%S')}.txt"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with open(path, "w") as f:
+                f.write(f"# hvd-resilient: rank {rank} pid {os.getpid()} made no progress; "
+                        "every thread's stack, most recent call first\n")
+                f.flush()
+                faulthandler.dump_traceback(f, all_threads=True)
+            return path
+        except OSError as e:
+            log.error("cannot write the stacks of the hung rank to %s: %s", folder, e)
+            faulthandler.dump_traceback(all_threads=True)  # stderr, at least
+            return None
+
+
+def _exit_hung() -> None:
+    logging.shutdown()
+    os._exit(HUNG_EXIT_CODE)
+
+
+_current: ProgressWatchdog | None = None
+
+
+def install(dog: ProgressWatchdog | None) -> None:
+    """Makes `dog` the process's watchdog (None: none), for code below the trainer (the
+    backends' reset loops) that declares sections through `section()`."""
+    global _current
+    _current = dog
+
+
+@contextlib.contextmanager
+def section(name: str, budget_s: float | None) -> Iterator[None]:
+    """`ProgressWatchdog.section` of the installed watchdog; nothing when there is none."""
+    dog = _current
+    if dog is None:
+        yield
+        return
+    with dog.section(name, budget_s):
+        yield

@@ -1,0 +1,279 @@
+"""`hvd-resilient run`: command lines, checks before launch, and supervised full restarts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hvd_resilient.errors import FATAL_EXIT_CODE
+from tests.support.jobs import PYTHON, events, wait_for
+from tests.support.paths import ROOT
+from tests.support.runs import assert_faults_fired
+
+HVD = str(Path(PYTHON).parent / "hvd-resilient")
+DIGITS = str(ROOT / "examples" / "digits.py")
+
+
+def cli(*argv: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([HVD, *argv], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_dry_run_prints_command_and_masks_credentials(tmp_path):
+    import os
+
+    env = dict(os.environ, AWS_SECRET_ACCESS_KEY="s3cr3t-value", AWS_ACCESS_KEY_ID="AKIAX")
+    r = cli("run", "--backend", "mpi", "--np", "3", "--hosts", "a:2,b:2", "--run-id", "x",
+            "--run-dir", str(tmp_path), "--checkpoint", "s3://bkt/p", "--dry-run", "--",
+            "python", "train.py", "--epochs", "2", env=env)
+    assert r.returncode == 0, r.stderr
+    first, *env_lines = r.stdout.splitlines()
+    assert "mpirun -np 3 " in first and "-H a:2,b:2" in first
+    assert "-x AWS_SECRET_ACCESS_KEY" in first and first.endswith("python train.py --epochs 2")
+    assert "AWS_SECRET_ACCESS_KEY=***" in env_lines
+    assert "HVD_RESILIENT_CHECKPOINT_URL=s3://bkt/p" in env_lines
+    assert "s3cr3t-value" not in r.stdout + r.stderr
+
+
+def test_elastic_dry_run_sets_the_flags_that_matter(tmp_path):
+    d = tmp_path / "d.sh"
+    d.write_text("#!/bin/sh\necho localhost:2\n")
+    d.chmod(0o755)
+    r = cli("run", "--discovery", str(d), "--np", "2", "--min-np", "1", "--max-np", "4",
+            "--network-interface", "lo", "--run-dir", str(tmp_path), "--dry-run", "--",
+            "python", "t.py")
+    assert r.returncode == 0, r.stderr
+    for flag in ("--host-discovery-script", "--min-np 1", "--max-np 4",
+                 "--blacklist-cooldown-range", "--gloo-timeout-seconds 30",
+                 "--network-interface lo"):
+        assert flag in r.stdout.splitlines()[0]
+    # slot hosts by default: Horovod's launcher run through our driver module
+    assert "-m hvd_resilient.launch.horovod.driver -np 2" in r.stdout.splitlines()[0]
+    tuned = cli("run", "--discovery", str(d), "--np", "2", "--reset-limit", "5",
+                "--elastic-timeout", "60", "--blacklist-cooldown-range", "3", "9",
+                "--run-dir", str(tmp_path), "--dry-run", "--", "python", "t.py")
+    assert tuned.returncode == 0, tuned.stderr
+    for flag in ("--reset-limit 5", "--elastic-timeout 60", "--blacklist-cooldown-range 3 9"):
+        assert flag in tuned.stdout.splitlines()[0]
+    plain = cli("run", "--discovery", str(d), "--np", "2", "--no-slot-hosts",
+                "--network-interface", "lo", "--run-dir", str(tmp_path), "--dry-run", "--",
+                "python", "t.py")
+    assert plain.returncode == 0, plain.stderr
+    # still our driver (a fatal worker error stops the job, one line instead of a traceback),
+    # told to blacklist whole hosts as plain horovodrun does
+    first, *env_lines = plain.stdout.splitlines()
+    assert "-m hvd_resilient.launch.horovod.driver -np 2" in first
+    assert "HVD_RESILIENT_SLOT_HOSTS=0" in env_lines
+    assert "HVD_RESILIENT_SLOT_HOSTS=0" not in r.stdout
+
+
+def test_standby_runs_in_process_only_what_python_itself_would_run_as_is():
+    import sys
+
+    from hvd_resilient.launch.horovod.standby import runnable_here
+
+    assert runnable_here([sys.executable, "train.py", "--epochs", "2"])
+    assert runnable_here([sys.executable, "-m", "pkg.train"])
+    assert not runnable_here([sys.executable, "-u", "train.py"])  # flags: exec'd as given
+    assert not runnable_here([sys.executable, "-c", "print(1)"])
+    assert not runnable_here([sys.executable, "-m"])
+    assert not runnable_here(["/bin/sh", "train.sh"])  # another program
+    assert not runnable_here([sys.executable])
+
+
+def test_discovery_interval_from_the_environment(monkeypatch):
+    from horovod.runner.elastic import driver
+
+    from hvd_resilient.launch.horovod import driver as horovod_driver
+
+    monkeypatch.setattr(driver, "DISCOVER_HOSTS_FREQUENCY_SECS", 1.0)
+    monkeypatch.setenv("HVD_RESILIENT_DISCOVERY_INTERVAL", "0.25")
+    horovod_driver.set_discovery_interval()
+    assert driver.DISCOVER_HOSTS_FREQUENCY_SECS == 0.25
+    for bad in ("fast", "0", "-1"):
+        monkeypatch.setenv("HVD_RESILIENT_DISCOVERY_INTERVAL", bad)
+        with pytest.raises(SystemExit) as e:
+            horovod_driver.set_discovery_interval()
+        assert "HVD_RESILIENT_DISCOVERY_INTERVAL" in str(e.value) and bad in str(e.value)
+    assert driver.DISCOVER_HOSTS_FREQUENCY_SECS == 0.25
+
+
+def test_standby_takes_its_rank_from_the_go_not_from_its_start(monkeypatch):
+    """A failure reset between a standby's start and its release shifts ranks: the released
+    worker must join as what the driver says now."""
+    from types import SimpleNamespace
+
+    from hvd_resilient.launch.horovod import standby
+
+    for name, value in zip(standby.SLOT_ENV, ("2", "3", "0", "1", "2", "3"), strict=True):
+        monkeypatch.setenv(name, value)
+    now = SimpleNamespace(rank=1, size=2, local_rank=0, local_size=1, cross_rank=1,
+                          cross_size=2)
+    standby.apply_go(standby.slot_env(now))
+    assert [os.environ[n] for n in standby.SLOT_ENV] == ["1", "2", "0", "1", "1", "2"]
+    with pytest.raises(SystemExit, match="bad go"):
+        standby.apply_go(b"1")
+
+
+def test_slot_hosts_split_per_slot_and_map_back_to_the_machine():
+    from hvd_resilient.backends.horovod import slots as slot_hosts
+
+    split = slot_hosts.split({"node-a": 2, "10.0.0.7": 1})
+    assert split == {"node-a+0": 1, "node-a+1": 1, "10.0.0.7+0": 1}
+    assert {slot_hosts.real_host(h) for h in split} == {"node-a", "10.0.0.7"}
+    assert slot_hosts.real_host("plain-host") == "plain-host"
+    assert slot_hosts.local_rank({"HOROVOD_HOSTNAME": "node-a+1"}) == 1
+    assert slot_hosts.local_rank({"HOROVOD_HOSTNAME": "node-a"}) is None
+    assert slot_hosts.local_rank({}) is None
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--backend", "mpi", "--discovery", "x"], "--discovery needs --backend horovod"),
+    (["--hosts", "a:0"], "--hosts entry 'a:0' must look like host:slots"),
+    (["--np", "5", "--min-np", "1", "--max-np", "4", "--discovery", "/bin/true"],
+     "--np 5 must lie between"),
+    (["--checkpoint", "ftp://x"], "checkpoint_url must start with file:// or s3://"),
+])
+def test_bad_options_one_line(tmp_path, argv, needle):
+    r = cli("run", "--run-dir", str(tmp_path), *argv, "--", "python", "t.py")
+    assert r.returncode == FATAL_EXIT_CODE
+    assert len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr, r.stderr
+
+
+def test_discovery_failing_on_first_call_is_one_line(tmp_path):
+    d = tmp_path / "d.sh"
+    d.write_text("#!/bin/sh\necho 'cannot reach the API server' >&2\nexit 1\n")
+    d.chmod(0o755)
+    r = cli("run", "--discovery", str(d), "--run-dir", str(tmp_path), "--", "python", "t.py")
+    assert r.returncode == FATAL_EXIT_CODE
+    assert r.stderr.strip() == (f"hvd-resilient: error: discovery script {d} failed on its "
+                                "first call: cannot reach the API server")
+
+
+def test_unreachable_and_malicious_hosts_stop_before_launch(tmp_path):
+    r = cli("run", "--backend", "mpi", "--np", "2", "--hosts", "localhost:1,127.0.0.9:1",
+            "--ssh-port", "1", "--run-dir", str(tmp_path), "--", "python", "t.py")
+    assert r.returncode == FATAL_EXIT_CODE
+    assert r.stderr.strip() == (
+        "hvd-resilient: error: hosts unreachable over ssh (127.0.0.9: connection refused on "
+        "port 1); check they are up and sshd listens on port 1 (--ssh-port)")
+    r = cli("run", "--hosts", "a;reboot:2", "--run-dir", str(tmp_path), "--", "python", "t.py")
+    assert r.returncode == FATAL_EXIT_CODE, r.stderr
+    assert "--hosts:" in r.stderr and "';'" in r.stderr, r.stderr
+
+
+def test_missing_bucket_is_one_line_before_launch(tmp_path, s3_server):
+    import os
+
+    env = dict(os.environ, **s3_server.env())
+    r = cli("run", "--backend", "mpi", "--run-dir", str(tmp_path), "--checkpoint",
+            "s3://no-such-bucket/x", "--", "python", DIGITS, env=env)
+    assert r.returncode == FATAL_EXIT_CODE, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "no-such-bucket" in r.stderr and s3_server.secret_key not in r.stderr
+    assert not (tmp_path / "events.jsonl").exists(), "nothing may launch"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_mpi_rank_killed_supervisor_restarts_and_ends_bit_identical(tmp_path, jobs):
+    common = ["--epochs", "8", "--commit-every", "5", "--checkpoint-every", "20", "--seed", "2"]
+    ref = tmp_path / "ref"
+    job = jobs.start([HVD, "run", "--backend", "mpi", "--np", "2", "--run-id", "ref",
+                      "--run-dir", str(ref), "--", PYTHON, DIGITS, *common], name="ref")
+    assert job.wait(240) == 0, job.output()[-3000:]
+    run = tmp_path / "run"
+    job = jobs.start([HVD, "run", "--backend", "mpi", "--np", "2", "--run-id", "run",
+                      "--run-dir", str(run), "--max-restarts", "2", "--", PYTHON, DIGITS,
+                      *common], env=jobs.env(HVD_RESILIENT_FAULT="kill:rank=1:step=70"),
+                     name="run")
+    assert job.wait(300) == 0, job.output()[-3000:]
+    assert_faults_fired(run, 1)
+    evs = events(run / "events.jsonl")
+    assert [e["attempt"] for e in evs if e["event"] == "restart"] == [1]
+    (resume,) = [e for e in evs if e["event"] == "resume"]
+    assert resume["from_step"] == 60, "should resume from the last checkpoint before step 70"
+    digests = {e["params_sha256"] for e in evs if e["event"] == "done"}
+    ref_digests = {e["params_sha256"] for e in events(ref / "events.jsonl")
+                   if e["event"] == "done"}
+    assert len(ref_digests) == 1 and digests == ref_digests
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_preemption_signal_final_checkpoint_then_restart_loses_nothing(tmp_path, jobs):
+    run = tmp_path / "run"
+    job = jobs.start([HVD, "run", "--backend", "mpi", "--np", "2", "--run-id", "p",
+                      "--run-dir", str(run), "--", PYTHON, DIGITS, "--epochs", "30",
+                      "--commit-every", "5", "--checkpoint-every", "50",
+                      "--grace-seconds", "30"], name="preempt")
+    wait_for(lambda: any(e["event"] == "checkpoint_saved" for e in events(run / "events.jsonl")),
+             180, "a first checkpoint", job)
+    workers = [p for p in job.processes() if p.cmdline()[1:2] == [DIGITS]]
+    assert len(workers) == 2
+    for p in workers:  # what Slurm's --signal=USR1@T and a Kubernetes eviction do: every task
+        p.send_signal(signal.SIGUSR1)
+    assert job.wait(300) == 0, job.output()[-3000:]
+    evs = events(run / "events.jsonl")
+    pre = [e for e in evs if e["event"] == "preempted"]
+    assert pre and all(e["exit_code"] == 75 for e in pre)
+    (pre0,) = [e for e in pre if e["rank"] == 0]
+    saved_at_stop = max(e["step"] for e in evs
+                        if e["event"] == "checkpoint_saved" and e["ts"] <= pre0["ts"])
+    (resume,) = [e for e in evs if e["event"] == "resume"]
+    assert resume["from_step"] == pre0["step"] == saved_at_stop, "work lost at preemption"
+    assert any(e["event"] == "restart" and e["preempted"] for e in evs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("backend", ["horovod", "mpi", "torchrun"])
+def test_whole_job_sigkilled_then_run_again_resumes_from_s3(backend, tmp_path, jobs, s3_url,
+                                                            s3_server):
+    """The same script under each launcher: checkpoints go to SeaweedFS, kill -9 of every
+    process (supervisor, launcher, workers), then `hvd-resilient run` again resumes."""
+    import socket
+
+    jobs.extra_env.update(s3_server.env())
+    run = tmp_path / "run"
+    extra = {"horovod": ["--network-interface", "lo"], "mpi": [], "torchrun": []}[backend]
+    if backend == "torchrun":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            extra = ["--rdzv-endpoint", f"127.0.0.1:{s.getsockname()[1]}"]
+    cmd = [HVD, "run", "--backend", backend, "--np", "2", "--run-id", "k", "--run-dir",
+           str(run), "--checkpoint", f"{s3_url}/k", *extra, "--", PYTHON, DIGITS,
+           "--epochs", "25", "--commit-every", "5", "--checkpoint-every", "20"]
+    job = jobs.start(cmd, name="first")
+    saved = lambda: [e["step"] for e in events(run / "events.jsonl")  # noqa: E731
+                     if e["event"] == "checkpoint_saved"]
+    wait_for(lambda: any(s >= 100 for s in saved()), 240, "a checkpoint at step >= 100", job)
+    for p in job.processes():
+        p.send_signal(signal.SIGKILL)
+    job.wait(30)
+    assert not [e for e in events(run / "events.jsonl") if e["event"] == "done"]
+    last_saved = max(saved())
+
+    job = jobs.start(cmd, name="second")
+    assert job.wait(300) == 0, job.output()[-3000:]
+    evs = events(run / "events.jsonl")
+    resumes = {e["from_step"] for e in evs if e["event"] == "resume"}
+    assert resumes == {last_saved}, (resumes, last_saved)
+    done = {e["params_sha256"] for e in evs if e["event"] == "done"}
+    assert len(done) == 1 and len([e for e in evs if e["event"] == "done"]) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_demo_trains_elastically_and_says_where_its_run_is(tmp_path):
+    run = tmp_path / "demo"
+    r = cli("demo", "--epochs", "2", "--run-dir", str(run), timeout=280)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"run folder:  {run}" in r.stdout
+    assert f"hvd-resilient report {run}" in r.stdout
+    done = [e for e in events(run / "events.jsonl") if e["event"] == "done"]
+    assert len(done) == 2 and len({e["params_sha256"] for e in done}) == 1
+    assert list((run / "checkpoints").glob("step-*/manifest.json"))

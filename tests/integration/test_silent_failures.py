@@ -1,0 +1,80 @@
+"""Failures that send no hang-up: a frozen worker (SIGSTOP) and a hung one (alive, no progress).
+
+Without the heartbeats a frozen worker holds the job until the Gloo timeout and then forever
+(the driver waits for it); without the progress watchdog a hung one holds it until the Gloo
+timeout and stays behind. Both runs use a Gloo timeout far above what the detection takes, so a
+job that finishes in time and reports the right event was recovered by the detector, not by it.
+"""
+
+from __future__ import annotations
+
+import psutil
+
+from tests.support.exactly_once import assert_exactly_once
+from tests.support.jobs import PYTHON, events, horovodrun_elastic, write_discovery
+from tests.support.paths import ROOT, SCRIPTS
+from tests.support.runs import assert_faults_fired, final_digests, sizes_seen
+
+DIGITS = str(ROOT / "examples" / "digits.py")
+JOB = str(SCRIPTS / "elastic_job.py")
+GLOO_TIMEOUT = "120"  # far above every detection under test: finishing in time proves it
+
+
+def _slots_job(tmp_path, jobs, fault: str, name: str, *train: str):
+    """Three one-slot workers on this machine under the project's driver."""
+    run = tmp_path / "run"
+    run.mkdir()
+    _, discover = write_discovery(tmp_path, "localhost:3")
+    cmd = horovodrun_elastic(discover, 3, 2, 3, "--gloo-timeout-seconds", GLOO_TIMEOUT,
+                             "--blacklist-cooldown-range", "2", "4")
+    cmd[:1] = [PYTHON, "-m", "hvd_resilient.launch.horovod.driver"]
+    train = train or (JOB, "--run-dir", str(run), "--expect-sizes", "3,2,3")
+    job = jobs.start(cmd + [PYTHON, *train], env=jobs.env(HVD_RESILIENT_FAULT=fault), name=name)
+    return run, job
+
+
+def _assert_recovered(run, fired_at: float, event: str, within_s: float,
+                      sizes: list[int]) -> list[dict]:
+    evs = events(run / "events.jsonl")
+    found = [e for e in evs if e["event"] == event]
+    assert found, f"no {event} event: {[e['event'] for e in evs][-30:]}"
+    detected = [e for e in evs if e["event"] == "failure_detected" and e["ts"] > fired_at]
+    assert detected and detected[0]["ts"] - fired_at < within_s, detected[:1]
+    for r in (e for e in evs if e["event"] == "restore"):
+        assert 0 <= r["lost_steps"] <= 5, r
+    assert sizes_seen(run)[:len(sizes)] == sizes, sizes_seen(run)
+    assert len(set(final_digests(run).values())) == 1
+    return evs
+
+
+def test_a_frozen_worker_is_evicted_and_killed_not_waited_for(tmp_path, jobs):
+    run, job = _slots_job(tmp_path, jobs, "freeze:rank=1:step=30", "freeze")
+    assert job.wait(300) == 0, job.output()[-3000:]
+    (fired_at,) = assert_faults_fired(run, 1)
+    evs = _assert_recovered(run, fired_at, "peer_silent", within_s=10, sizes=[3, 2, 3])
+    silent = next(e for e in evs if e["event"] == "peer_silent")
+    assert silent["ranks"] == [1], silent
+    stopped = [p for p in job.processes() if _status(p) == psutil.STATUS_STOPPED]
+    assert not stopped, f"a frozen worker was left behind: {stopped}"
+    assert_exactly_once(run, 2048)
+
+
+def test_a_hung_worker_writes_its_stacks_and_is_ended(tmp_path, jobs):
+    run, job = _slots_job(tmp_path, jobs, "hang:rank=2:step=30", "hang", DIGITS, "--run-dir",
+                          str(tmp_path / "run"), "--epochs", "3", "--batch-size", "16",
+                          "--commit-every", "5", "--recovery-progress-timeout-seconds", "3")
+    assert job.wait(300) == 0, job.output()[-3000:]
+    (fired_at,) = assert_faults_fired(run, 1)
+    evs = _assert_recovered(run, fired_at, "hang_detected", within_s=15, sizes=[3, 2])
+    hang = next(e for e in evs if e["event"] == "hang_detected")
+    assert hang["rank"] == 2 and hang["section"] == "step", hang
+    stacks = (run / "hangs").glob("rank2-*.txt")
+    text = "".join(p.read_text() for p in stacks)
+    assert "maybe_fire" in text and "Thread" in text, text[:2000]
+
+
+def _status(p: psutil.Process) -> str:
+    try:
+        return p.status()
+    except psutil.Error:
+        return "gone"

@@ -1,0 +1,45 @@
+"""What a run left in its folder: the commits, world sizes and final digests in its
+events.jsonl, and the markers of the faults its plan fired.
+
+A planned fault (`HVD_RESILIENT_FAULT`, hvd_resilient/training/faults.py) writes no event: as
+it fires it creates `.fault-I-KIND-rR-sS` in the run folder (O_EXCL, so each planned fault
+fires at most once per run, restarts included), holding when it fired. A recovery test whose
+fault never fired passes for the wrong reason, so a test that plans faults says how many fired.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.support.jobs import events
+
+
+def commits(run: Path) -> list[dict]:
+    return [e for e in events(run / "events.jsonl") if e["event"] == "commit"]
+
+
+def sizes_seen(run: Path) -> list[int]:
+    """The world sizes rank 0's commits went through, each change once."""
+    out: list[int] = []
+    for e in commits(run):
+        if not out or out[-1] != e["size"]:
+            out.append(e["size"])
+    return out
+
+
+def final_digests(run: Path) -> dict[int, str]:
+    done = [e for e in events(run / "events.jsonl") if e["event"] == "done"]
+    assert done, "no rank reported done"
+    return {e["rank"]: e["params_sha256"] for e in done}
+
+
+def fault_times(run: Path) -> list[float]:
+    """When each fired fault fired (time.time()), earliest first."""
+    return sorted(float(p.read_text()) for p in run.glob(".fault-*"))
+
+
+def assert_faults_fired(run: Path, n: int) -> list[float]:
+    """Exactly `n` planned faults fired in `run`; returns when, earliest first."""
+    fired = sorted(p.name for p in run.glob(".fault-*"))
+    assert len(fired) == n, f"expected {n} injected fault(s) to fire in {run}, got {fired}"
+    return fault_times(run)

@@ -1,0 +1,126 @@
+"""Failure detection by hang-up: real TCP connections in this process stand in for Gloo's."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from hvd_resilient.backends.horovod.detect import peer_watch, tcp_sockets
+from hvd_resilient.training.faults import FaultPlan
+from tests.support.runs import assert_faults_fired
+
+
+@pytest.fixture
+def pair():
+    """Two ends of one loopback TCP connection, plus an unrelated connection to ignore."""
+    lst = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(lst.getsockname())
+    b, _ = lst.accept()
+    other = socket.create_connection(lst.getsockname())
+    other_peer, _ = lst.accept()
+    lst.close()
+    yield a, b, (other, other_peer)
+    for s in (a, b, other, other_peer):
+        s.close()
+
+
+def endpoints(s: socket.socket) -> tuple[tuple[str, int], tuple[str, int]]:
+    return s.getsockname()[:2], s.getpeername()[:2]
+
+
+def wait_detected(watch: peer_watch.PeerWatch, timeout: float = 5.0) -> bool:
+    end = time.time() + timeout
+    while time.time() < end:
+        if watch.detected_at is not None:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_own_sockets_reports_established_connections_with_their_endpoints(pair):
+    a, b, _ = pair
+    found = {(s.local, s.remote): s for s in tcp_sockets.own_sockets()}
+    assert endpoints(a) in found and endpoints(b) in found
+    assert found[endpoints(a)].state == tcp_sockets.ESTABLISHED
+    assert found[endpoints(a)].fd == a.fileno()
+
+
+def test_only_connections_mirrored_by_another_rank_are_peers(pair):
+    a, b, (other, _) = pair
+    # rank 1 holds b's endpoints: a is a peer connection of rank 0; `other` is not
+    everyone = [[endpoints(a), endpoints(other)], [endpoints(b)]]
+    mine = {(s.local, s.remote) for s in peer_watch.peer_connections(everyone, 0)}
+    assert endpoints(a) in mine
+    assert endpoints(other) not in mine
+
+
+def test_hangup_of_a_peer_is_detected_and_our_connections_are_shut(pair):
+    a, b, (other, other_peer) = pair
+    watch = peer_watch.PeerWatch()
+    # watch a and other (both "peers" here); the far end of a hangs up
+    everyone = [[endpoints(a), endpoints(other)], [endpoints(b), endpoints(other_peer)]]
+    assert watch.arm(everyone, 0) == 2
+    b.close()
+    assert wait_detected(watch), "hang-up not seen"
+    assert "hung up" in watch.detail
+    # the kick: the OTHER watched connection is shut, so its far end sees EOF at once
+    other_peer.settimeout(5)
+    assert other_peer.recv(1) == b""
+    watch.disarm()
+
+
+def test_a_silent_peer_is_not_a_failure(pair):
+    a, b, _ = pair
+    watch = peer_watch.PeerWatch()
+    assert watch.arm([[endpoints(a)], [endpoints(b)]], 0) == 1
+    b.sendall(b"x")  # traffic without a hang-up, then silence
+    stalled = threading.Event()
+    assert not stalled.wait(0.5)
+    assert watch.detected_at is None
+    a.settimeout(5)
+    assert a.recv(1) == b"x", "the watcher must not consume the peer's bytes"
+    watch.disarm()
+
+
+def test_hangup_after_disarm_is_ignored(pair):
+    a, b, _ = pair
+    watch = peer_watch.PeerWatch()
+    watch.arm([[endpoints(a)], [endpoints(b)]], 0)
+    watch.disarm()
+    b.close()
+    a.settimeout(5)
+    assert a.recv(1) == b""  # the hang-up reached us...
+    assert watch.detected_at is None  # ...and nobody acted on it
+    a.sendall(b"still usable")  # our end was not shut down by a kick
+
+
+def test_stall_fault_sleeps_and_does_not_raise(tmp_path):
+    plan = FaultPlan.parse("stall:rank=0:step=3:seconds=0.2", str(tmp_path))
+    t0 = time.monotonic()
+    plan.maybe_fire(0, 3)
+    assert time.monotonic() - t0 >= 0.2
+    (when,) = assert_faults_fired(tmp_path, 1)
+    assert when > 0
+
+
+def test_driver_watch_calls_lost_after_consecutive_failed_probes():
+    from hvd_resilient.backends.horovod.detect import driver_watch
+
+    server = socket.create_server(("127.0.0.1", 0))
+    address = server.getsockname()[:2]
+    assert driver_watch.reachable(address)
+    lost = threading.Event()
+    stop = threading.Event()
+    t = threading.Thread(target=driver_watch.watch, args=(address, lost.set, stop, 0.05, 3))
+    t.start()
+    assert not lost.wait(0.5), "a live driver was taken for lost"
+    server.close()  # the driver dies: connections are refused from now on
+    assert lost.wait(5), "a dead driver was not noticed"
+    t.join(5)
+    assert driver_watch.driver_address({}) is None
+    assert driver_watch.driver_address({"HOROVOD_GLOO_RENDEZVOUS_ADDR": "10.0.0.1",
+                                        "HOROVOD_GLOO_RENDEZVOUS_PORT": "4444"}) == (
+        "10.0.0.1", 4444)
