@@ -35,8 +35,15 @@ def _report(argv: list[str]) -> int:
     return main(argv)
 
 
+def _plan(argv: list[str]) -> int:
+    from hvd_resilient.report.plan.cli import main
+
+    return main(argv)
+
+
 COMMANDS = {
     "report": (_report, "goodput, failures/MTTR, checkpoint costs, Young/Daly from a run folder"),
+    "plan": (_plan, "simulate a job at scale: ETTR per strategy, best commit/checkpoint intervals"),
     "run": (_run, "launch a job with horovodrun or mpirun and restart it after failures"),
     "demo": (_demo, "train the digits example elastically on this machine"),
     "ckpt": (_ckpt, "list | show | verify | prune durable checkpoints at a URL"),

@@ -581,6 +581,21 @@ class Cluster:
             h.sshd.wait(timeout=10)
         return t, killed
 
+    def freeze_host(self, h: Host) -> tuple[float, list[int]]:
+        """SIGSTOPs every process in the host but its sshd (a paused VM, a host whose
+        processes all hang in the kernel): nothing closes, its kernel still ACKs."""
+        keep = self.sshd_pid(h)
+        t = time.time()
+        frozen = []
+        for pid in netns_pids(h.ns):
+            if pid != keep:
+                try:
+                    os.kill(pid, signal.SIGSTOP)
+                    frozen.append(pid)
+                except ProcessLookupError:
+                    pass
+        return t, frozen
+
     def restart_sshd(self, h: Host) -> None:
         if self.sshd_pid(h) is None:
             self._start_sshd(h)

@@ -171,6 +171,9 @@ def write_log(folder: Path, failures: bool = True) -> Path:
         for _ in range(3):
             t, step = t + 2.0, step + 10
             e(t, "commit", size=2, step=step, seconds=0.04)
+        e(base + 5.0, "peer_silent", rank=0, size=2, step=step, ranks=[2], silent_seconds=1.7)
+        e(base + 6.0, "hang_detected", rank=2, size=2, step=step, idle_seconds=42.0,
+          budget_seconds=40.0)
         join = base + 15.0
         e(join, "hosts_changed", rank=0, size=2, step=step)
         e(join + 0.3, "reset", rank=0, size=3, step=step, old_size=2, new_size=3, seconds=0.3)
@@ -197,6 +200,8 @@ def test_calibration_reads_a_synthetic_event_log(tmp_path):
     assert m["checkpoint_gb"].value == pytest.approx(2.0)
     assert m["ckpt_async_stall_s"].value == pytest.approx(0.3)
     assert m["ckpt_upload_s"].value == pytest.approx(3.7)
+    assert m["ours_silent_detect_s"].value == pytest.approx(1.7)
+    assert m["ours_hang_detect_s"].value == pytest.approx(42.0)
     assert "ours_detect_s" not in m  # an event log cannot tell when the fault happened
     assert all(v.source.startswith("measured:") for v in m.values())
     assert cal.capacity_by_size[3] == pytest.approx(1.0)

@@ -1,0 +1,69 @@
+"""Failures that send no hang-up, on a 3-host x 1-slot cluster: a frozen worker, a frozen host.
+
+Under `hvd-resilient run` (the project's driver ends what the workers report). A SIGSTOPped
+process keeps its connections (its kernel still ACKs), so only the heartbeats can
+tell. Each scenario checks what ElasticRun.check checks (exit 0, sizes, exactly once, equal
+parameters, at most one commit lost), that the survivors learned of it well before the Gloo
+timeout (which would otherwise be what ends their wait), and that nothing frozen is left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from tests.support.elastic_run import ElasticRun
+
+pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(300)]
+
+GLOO_TIMEOUT_S = 15  # the chaos runs' --gloo-timeout-seconds (tests/support/elastic_run.py)
+
+
+def _stopped(pids: list[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_STOPPED:
+                out.append(pid)
+        except psutil.Error:
+            pass
+    return out
+
+
+@pytest.mark.ci_chaos
+def test_a_frozen_worker_is_evicted_and_killed_and_its_host_readmitted(chaos):
+    c = chaos.cluster(3)
+    run = ElasticRun(chaos, c, "freeze-worker", expect_sizes=[3, 2, 3], supervised=0)
+    run.wait_commit(3, min_step=20)
+    victim = run.pid_of_rank(1)
+    host = c.host_of_pid(victim)
+    assert host is not None and host != run.host_of_rank(0)
+    run.marks["fault"] = time.time()
+    os.kill(victim, signal.SIGSTOP)
+    numbers = run.check([3, 2, 3])
+    numbers.update(run.timings())
+    run.report(numbers)
+    assert numbers["failure_detected_first_s"] < GLOO_TIMEOUT_S, numbers
+    assert any(e["event"] == "peer_silent" for e in run.events())
+    assert not psutil.pid_exists(victim) or not _stopped([victim]), "the frozen worker lives on"
+
+
+def test_a_frozen_host_is_evicted_its_workers_killed_over_ssh(chaos):
+    c = chaos.cluster(3)
+    run = ElasticRun(chaos, c, "freeze-host", expect_sizes=[3, 2, 3], supervised=0)
+    run.wait_commit(3, min_step=20)
+    host = run.host_of_rank(2)
+    assert host != run.host_of_rank(0)
+    worker = run.pid_of_rank(2)
+    run.marks["fault"], frozen = c.freeze_host(host)
+    assert worker in frozen
+    numbers = run.check([3, 2, 3])
+    numbers.update(run.timings())
+    run.report(numbers)
+    assert numbers["failure_detected_first_s"] < GLOO_TIMEOUT_S, numbers
+    assert any(e["event"] == "slot_evicted" and e["how"] == "ssh" for e in run.events())
+    assert not _stopped([worker]), "the frozen worker was not killed over ssh"

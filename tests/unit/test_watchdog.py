@@ -1,0 +1,114 @@
+"""The progress watchdog and the peer heartbeats, in process: what fires, what does not."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from hvd_resilient.backends import heartbeat
+from hvd_resilient.watchdog import VICTIM_FACTOR, ProgressWatchdog
+
+
+def _dog(tmp_path, **kw):
+    fired: list[dict] = []
+    done = threading.Event()
+
+    def emit(name, **fields):
+        fired.append({"event": name, **fields})
+
+    dog = ProgressWatchdog(run_dir=str(tmp_path), rank=lambda: 3, emit=emit, poll_s=0.01,
+                           on_hang=done.set, **kw)
+    return dog, fired, done
+
+
+def test_a_rank_without_progress_writes_its_stacks_and_fires_once(tmp_path):
+    dog, fired, done = _dog(tmp_path, timeout_s=0.2, first_step_s=0.2)
+    dog.step()  # the first step is over
+    dog.start()
+    assert done.wait(5)
+    dog.stop()
+    (ev,) = fired
+    assert ev["event"] == "hang_detected" and ev["section"] == "step", ev
+    assert ev["idle_seconds"] >= 0.2 and ev["budget_seconds"] == 0.2
+    text = open(ev["stacks"]).read()
+    assert "rank 3" in text and "test_a_rank_without_progress" in text  # the main thread
+
+
+def test_steps_sections_and_waiting_for_peers_keep_it_quiet(tmp_path):
+    dog, fired, done = _dog(tmp_path, floor_s=0.3, factor=2.0, first_step_s=0.6)
+    dog.start()
+    time.sleep(0.4)  # inside the first step's own, longer budget
+    dog.step()
+    for _ in range(5):  # steady steps well inside the floor
+        time.sleep(0.05)
+        dog.step()
+    with dog.section("evaluation", 0.8):
+        time.sleep(0.5)  # longer than a step's budget, inside the section's
+    dog.step()
+    with dog.section("reset", None):
+        time.sleep(0.5)  # unbounded
+    with dog.waiting_for_peers():  # a victim of a hung peer waits VICTIM_FACTOR budgets
+        time.sleep(0.3 * (VICTIM_FACTOR - 1))
+    dog.stop()
+    assert not fired and not done.is_set()
+
+
+def test_the_adaptive_budget_follows_the_slowest_step(tmp_path):
+    dog, _, _ = _dog(tmp_path, floor_s=0.1, factor=10.0)
+    dog.step()  # ends the first step: not counted
+    time.sleep(0.05)
+    dog.step()
+    name, budget = dog.budget()
+    assert name == "step" and 0.5 <= budget < 1.5, budget
+    dog.timeout_s = 7.0
+    assert dog.budget() == ("step", 7.0)
+
+
+def _beat(timeout: float, verdicts: list, cut_off: bool = False) -> heartbeat.Heartbeat:
+    return heartbeat.Heartbeat(
+        timeout, interval_s=0.05,
+        on_lost=lambda peers, s: verdicts.append(("lost", [p.rank for p in peers])),
+        on_self_frozen=lambda gap: verdicts.append(("frozen", gap)),
+        on_cut_off=lambda peers: verdicts.append(("cut_off", [p.rank for p in peers])),
+        is_cut_off=lambda: cut_off)
+
+
+def test_ring_neighbours_are_symmetric():
+    for world in (2, 3, 5, 9, 100):
+        for me in range(world):
+            for r in heartbeat.watched(me, world):
+                assert me in heartbeat.watched(r, world)
+    assert heartbeat.watched(0, 100) == [1, 2, 98, 99]
+
+
+def test_a_silent_peer_is_reported_and_a_talking_one_is_not():
+    verdicts_a: list = []
+    verdicts_b: list = []
+    a, b = _beat(0.6, verdicts_a), _beat(0.6, verdicts_b)
+    silent = heartbeat.Heartbeat(0.6, on_lost=None, on_self_frozen=None, on_cut_off=None,
+                                 is_cut_off=None)  # a socket that never answers
+    peers = [heartbeat.Peer(0, ("127.0.0.1", a.port), "m", 101),
+             heartbeat.Peer(1, ("127.0.0.1", b.port), "m", 102),
+             heartbeat.Peer(2, ("127.0.0.1", silent.port), "m", 103)]
+    a._token, b._token = b"101", b"102"
+    a.arm(0, peers)
+    b.arm(1, peers)
+    deadline = time.monotonic() + 5
+    while not (verdicts_a and verdicts_b) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert verdicts_a == [("lost", [2])] and verdicts_b == [("lost", [2])]
+    a.disarm()
+    b.disarm()
+
+
+def test_when_every_peer_is_silent_the_probe_decides_cut_off():
+    verdicts: list = []
+    me = _beat(0.5, verdicts, cut_off=True)
+    mute = heartbeat.Heartbeat(0.5, on_lost=None, on_self_frozen=None, on_cut_off=None,
+                               is_cut_off=None)
+    me.arm(0, [heartbeat.Peer(0, ("127.0.0.1", me.port), "m", 1),
+               heartbeat.Peer(1, ("127.0.0.1", mute.port), "m", 2)])
+    deadline = time.monotonic() + 5
+    while not verdicts and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert verdicts == [("cut_off", [1])]
