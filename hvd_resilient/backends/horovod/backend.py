@@ -11,6 +11,7 @@ import torch
 from hvd_resilient.backends import determinism
 from hvd_resilient.backends.base import Backend
 from hvd_resilient.backends.horovod import init as hvd_init
+from hvd_resilient.backends.horovod import ordered
 from hvd_resilient.backends.horovod import run as elastic
 from hvd_resilient.backends.horovod import slots as slot_hosts
 from hvd_resilient.backends.horovod.state import ElasticState
@@ -42,7 +43,7 @@ class HorovodBackend(Backend):
             torch.cuda.set_device(hvd.local_rank() if slot is None else slot)
             model.cuda()
         if determinism.enabled():  # gradients averaged in one fixed order (docs/determinism.md)
-            return model, determinism.horovod_optimizer(optimizer, model.named_parameters())
+            return model, ordered.ordered_optimizer(optimizer, model.named_parameters())
         return model, hvd.DistributedOptimizer(
             optimizer, named_parameters=model.named_parameters()
         )

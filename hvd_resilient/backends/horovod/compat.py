@@ -66,7 +66,7 @@ WORKER_TARGETS = (
     ("horovod.common.elastic", "notification_manager"),
     ("horovod.common.exceptions", "HorovodInternalError"),
     ("horovod.common.exceptions", "HostsUpdatedInterrupt"),
-    # --deterministic's ordered optimizer (`backends/determinism.horovod_optimizer`)
+    # --deterministic's ordered optimizer (`backends/horovod/ordered.py`)
     ("horovod.torch.optimizer", "_DistributedOptimizer._allreduce_grad_async"),
     ("horovod.torch.optimizer", "_DistributedOptimizer.synchronize"),
 )

@@ -31,7 +31,7 @@ def launched_by_mpi(env: dict[str, str] | os._Environ[str] = os.environ) -> bool
 
 
 def init(comm: Any | None = None, *, ordered: bool = False) -> None:
-    """``ordered``: the caller reduces its gradients with `determinism.horovod_optimizer`."""
+    """``ordered``: the caller reduces its gradients with `ordered.ordered_optimizer`."""
     check_compatible(driver=False)
     if determinism.apply(determinism.enabled()):  # before hvd.init: Horovod reads it there
         determinism.horovod_env(ordered)
