@@ -40,7 +40,8 @@ def get(name: str | None = None, *, fsdp: bool = False,
     if name == "torchrun":
         from hvd_resilient.backends.torchrun.backend import TorchDistBackend
 
-        return TorchDistBackend(fsdp=fsdp, pg_timeout_seconds=recovery.pg_timeout_seconds)
+        return TorchDistBackend(fsdp=fsdp, pg_timeout_seconds=recovery.pg_timeout_seconds,
+                                heartbeat_timeout_s=recovery.heartbeat_timeout_seconds)
     raise ConfigError(f"backend must be one of {', '.join(NAMES)}, got {name!r}")
 
 

@@ -10,14 +10,20 @@ manifest is published (mid-run, and for the final checkpoint).
 from __future__ import annotations
 
 import hashlib
-import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from hvd_resilient.errors import FATAL_EXIT_CODE
-from tests.support.jobs import PYTHON, events, horovodrun_elastic, wait_for, write_discovery
+from tests.support.jobs import (
+    PYTHON,
+    events,
+    free_port,
+    horovodrun_elastic,
+    wait_for,
+    write_discovery,
+)
 from tests.support.paths import ROOT
 from tests.support.runs import assert_faults_fired
 
@@ -32,12 +38,6 @@ def tree_digest(folder: Path) -> dict[str, tuple[str, int]]:
     return {str(p.relative_to(folder)): (hashlib.sha256(p.read_bytes()).hexdigest(),
                                          p.stat().st_mtime_ns)
             for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_cmd(backend: str, tmp: Path, run: Path, ckpt: str, *train: str) -> list[str]:

@@ -9,9 +9,17 @@ job that finishes in time and reports the right event was recovered by the detec
 from __future__ import annotations
 
 import psutil
+import pytest
 
 from tests.support.exactly_once import assert_exactly_once
-from tests.support.jobs import PYTHON, events, horovodrun_elastic, write_discovery
+from tests.support.jobs import (
+    PYTHON,
+    VENV_BIN,
+    events,
+    free_port,
+    horovodrun_elastic,
+    write_discovery,
+)
 from tests.support.paths import ROOT, SCRIPTS
 from tests.support.runs import assert_faults_fired, final_digests, sizes_seen
 
@@ -78,3 +86,45 @@ def _status(p: psutil.Process) -> str:
         return p.status()
     except psutil.Error:
         return "gone"
+
+
+# -- the same failures under restart-all launchers: torchrun and mpirun ----------------------
+HVD = str(VENV_BIN / "hvd-resilient")
+COMMON = ["--epochs", "6", "--commit-every", "5", "--checkpoint-every", "20", "--seed", "2"]
+
+
+def _restart_job(tmp_path, jobs, backend: str, fault: str, *train: str):
+    """`hvd-resilient run` with two workers on this machine; a torchrun restart or a
+    supervisor relaunch brings the job back from its durable checkpoint."""
+    run = tmp_path / "run"
+    extra = (["--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
+             if backend == "torchrun" else [])
+    job = jobs.start([HVD, "run", "--backend", backend, "--np", "2", *extra, "--run-id", "run",
+                      "--run-dir", str(run), "--max-restarts", "2", "--", PYTHON, DIGITS,
+                      *COMMON, *train], env=jobs.env(HVD_RESILIENT_FAULT=fault), name=backend)
+    assert job.wait(300) == 0, job.output()[-3000:]
+    assert_faults_fired(run, 1)
+    evs = events(run / "events.jsonl")
+    (resume,) = [e for e in evs if e["event"] == "resume"]
+    assert resume["from_step"] == 60, "should resume from the last checkpoint before step 70"
+    assert len({e["params_sha256"] for e in evs if e["event"] == "done"}) == 1
+    return run, job, evs
+
+
+@pytest.mark.parametrize("backend", ["torchrun", "mpi"])
+def test_a_frozen_worker_ends_a_restart_all_job_now_not_at_its_timeout(tmp_path, jobs, backend):
+    run, job, evs = _restart_job(tmp_path, jobs, backend, "freeze:rank=1:step=70",
+                                 "--recovery-pg-timeout-seconds", "600")
+    (silent,) = [e for e in evs if e["event"] == "peer_silent"]
+    assert silent["ranks"] == [1] and silent["rank"] == 0, silent
+    stopped = [p for p in job.processes() if _status(p) == psutil.STATUS_STOPPED]
+    assert not stopped, f"a frozen worker was left behind: {stopped}"
+
+
+@pytest.mark.parametrize("backend", ["torchrun", "mpi"])
+def test_a_hung_worker_ends_a_restart_all_job_with_its_stacks(tmp_path, jobs, backend):
+    run, job, evs = _restart_job(tmp_path, jobs, backend, "hang:rank=1:step=70",
+                                 "--recovery-progress-timeout-seconds", "3")
+    (hang,) = [e for e in evs if e["event"] == "hang_detected"]
+    assert hang["rank"] == 1 and hang["section"] == "step", hang
+    assert "maybe_fire" in "".join(p.read_text() for p in (run / "hangs").glob("rank1-*.txt"))

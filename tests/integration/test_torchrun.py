@@ -9,12 +9,11 @@ parameters bit-identical to a run never killed.
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
 
-from tests.support.jobs import PYTHON, events
+from tests.support.jobs import PYTHON, events, free_port
 from tests.support.paths import ROOT
 from tests.support.runs import assert_faults_fired
 
@@ -22,12 +21,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 HVD = str(Path(PYTHON).parent / "hvd-resilient")
 DIGITS = str(ROOT / "examples" / "digits.py")
 COMMON = ["--epochs", "6", "--checkpoint-every", "20", "--seed", "5"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(jobs, run: Path, *extra: str, env: dict | None = None):

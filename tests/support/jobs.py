@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,6 +27,13 @@ from tests.support.paths import ROOT
 VENV_BIN = Path(sys.executable).parent
 PYTHON = sys.executable
 MARKER = "HVD_RESILIENT_TEST_JOB"
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (for a rendezvous endpoint)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def events(path: Path) -> list[dict[str, Any]]:

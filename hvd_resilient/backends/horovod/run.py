@@ -21,8 +21,10 @@ from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrup
 
 from hvd_resilient import watchdog
 from hvd_resilient.backends.horovod import slots
-from hvd_resilient.backends.horovod.detect import driver_watch, peer_watch, silent_peers
+from hvd_resilient.backends.horovod.detect import driver_watch, peer_watch
+from hvd_resilient.backends.horovod.detect import silent_peers as horovod_silent
 from hvd_resilient.backends.horovod.state import ElasticState, is_elastic
+from hvd_resilient.backends.silent_peers import SilentPeers
 from hvd_resilient.backends.threads import share_cores
 from hvd_resilient.log import get
 
@@ -48,14 +50,23 @@ def run(func: Callable[..., T] | None = None, *,
 
     @functools.wraps(func)
     def wrapper(state: ElasticState, *args: Any, **kwargs: Any) -> T:
-        if not is_elastic():
+        if not is_elastic():  # mpirun, srun: a silent peer ends this worker, and so the job
+            silent = SilentPeers(heartbeat_timeout_s, state.events, machine=slots.machine(),
+                                 slot="", coordinator=None)
+            silent.arm(hvd.rank(), hvd.allgather_object(silent.peer(hvd.rank())))
             state.sync()
-            return func(state, *args, **kwargs)
+            result = func(state, *args, **kwargs)
+            silent.disarm()  # still sending: nobody leaves while a peer still judges
+            hvd.allreduce(torch.zeros(1), name="hvd_resilient.done")
+            return result
         notification_manager.init()
         notification_manager.register_listener(state)
         driver_watch.start(state.events)
         watch = peer_watch.PeerWatch()
-        silent = silent_peers.SilentPeers(heartbeat_timeout_s, state.events, watch.trip)
+        driver = driver_watch.driver_address()
+        silent = SilentPeers(heartbeat_timeout_s, state.events, machine=slots.machine(),
+                             slot=horovod_silent.slot_key(), coordinator=driver,
+                             evict=horovod_silent.evictor(driver, watch.trip))
         skip_sync = False
         try:
             while True:
@@ -113,7 +124,7 @@ def run(func: Callable[..., T] | None = None, *,
     return wrapper
 
 
-def _arm(watch: peer_watch.PeerWatch, silent: silent_peers.SilentPeers,
+def _arm(watch: peer_watch.PeerWatch, silent: SilentPeers,
          state: ElasticState) -> None:
     """Every rank publishes its connections and its heartbeat address; a collective, so a
     failure here is caught like any other."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,7 @@ import torch.distributed as dist
 
 from hvd_resilient.backends import determinism
 from hvd_resilient.backends.base import Backend
+from hvd_resilient.backends.silent_peers import SilentPeers
 from hvd_resilient.backends.torchrun.state import TorchrunState
 
 
@@ -33,7 +35,11 @@ class TorchDistBackend(Backend):
     resume_on_every_rank = True
     reduces_in_backward = True
 
-    def __init__(self, fsdp: bool = False, pg_timeout_seconds: float = 300.0) -> None:
+    def __init__(self, fsdp: bool = False, pg_timeout_seconds: float = 300.0,
+                 heartbeat_timeout_s: float = 1.5) -> None:
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        """A peer silent this long (frozen, cut off) makes this worker exit, so that torchrun
+        restarts now instead of after the process-group timeout (0: off)."""
         self.device = torch.device("cpu")
         self.fsdp = fsdp
         """Shard the model (FSDP2) instead of replicating it (DDP)."""
@@ -87,8 +93,16 @@ class TorchDistBackend(Backend):
         return TorchrunState(model, optimizer, rank=self.rank, size=self.size, **kwargs)
 
     def run(self, fn: Callable[[Any], None], state: Any) -> None:
+        env = os.environ
+        silent = SilentPeers(self.heartbeat_timeout_s, state.events, machine=socket.gethostname(),
+                             slot=f"local rank {env.get('LOCAL_RANK', '?')}",
+                             coordinator=(env["MASTER_ADDR"], int(env["MASTER_PORT"])))
+        beats = silent.arm(self.rank(), self.allgather_object(silent.peer(self.rank())))
+        state.events.emit("watch", heartbeats=beats)
         state.sync()
         fn(state)
+        silent.disarm()  # still sending: nobody leaves while a peer still judges
+        dist.barrier()
 
     def allgather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.size()

@@ -1,0 +1,117 @@
+"""What a worker does when its heartbeats find a peer silent (`backends/heartbeat.py`).
+
+The same everywhere: record `peer_silent`, SIGKILL the silent peers that run on this machine
+(SIGKILL works on a stopped process, so it can never wake up inside a world that moved on).
+Then it depends on what the launcher can do:
+- Horovod elastic (`evict` given): the driver is told which slots to end and this rank's
+  collectives are failed at once, so the job resets in memory without them;
+- everything else (torchrun, mpirun, a static Horovod job): this worker exits with
+  HUNG_EXIT_CODE; a dead worker is what those launchers already handle (torchrun restarts
+  its workers now rather than after the process-group timeout, mpirun ends the job and
+  `hvd-resilient run` relaunches it).
+A worker that finds itself frozen, or cut off from its peers and from the launcher's
+coordinator, exits without writing anything: the others have moved on without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from collections.abc import Callable
+from typing import Any
+
+from hvd_resilient.backends import heartbeat
+from hvd_resilient.errors import HUNG_EXIT_CODE
+
+log = logging.getLogger("hvd_resilient.silent_peers")
+
+Evict = Callable[[list[heartbeat.Peer], str], None]
+
+
+def kill_local(peers: list[heartbeat.Peer], machine: str) -> list[int]:
+    """SIGKILLs the silent peers that run on this machine; returns their pids."""
+    killed = []
+    for p in peers:
+        if p.machine == machine and p.pid != os.getpid():
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+                killed.append(p.pid)
+            except OSError:
+                pass
+    return killed
+
+
+def outward_ip(target: tuple[str, int] | None) -> str:
+    """The local address on the route to `target` (the driver or store): where peers can
+    reach this worker."""
+    import socket
+
+    if target is None:
+        return "127.0.0.1"
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect(target)  # UDP: no packet is sent, only the route is chosen
+        return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+    finally:
+        s.close()
+
+
+class SilentPeers:
+    """Built once per worker process; `peer()` goes into the allgather at every (re)start."""
+
+    def __init__(self, timeout_s: float, events: Any, *, machine: str, slot: str,
+                 coordinator: tuple[str, int] | None, evict: Evict | None = None) -> None:
+        self.events = events
+        self.machine, self.slot = machine, slot
+        self.coordinator = coordinator
+        self.evict = evict
+        self.hb = heartbeat.Heartbeat(
+            timeout_s, on_lost=self._lost, on_self_frozen=self._self_frozen,
+            on_cut_off=self._cut_off,
+            is_cut_off=lambda: coordinator is not None and not heartbeat.probe(coordinator))
+        self.address = (outward_ip(coordinator), self.hb.port)
+
+    def peer(self, rank: int) -> heartbeat.Peer:
+        return heartbeat.Peer(rank, self.address, self.machine, os.getpid(), self.slot)
+
+    def arm(self, me: int, everyone: list[heartbeat.Peer]) -> int:
+        return self.hb.arm(me, everyone)
+
+    def disarm(self) -> None:
+        self.hb.disarm()
+
+    def _lost(self, peers: list[heartbeat.Peer], silent_s: float) -> None:
+        names = ", ".join(f"rank {p.rank} ({p.slot or p.machine})" for p in peers)
+        log.warning("%s silent for %.1fs: frozen or cut off; evicting", names, silent_s)
+        self.events.emit("peer_silent", ranks=[p.rank for p in peers],
+                         slots=[p.slot for p in peers], silent_seconds=round(silent_s, 3))
+        killed = kill_local(peers, self.machine)
+        detail = f"{names} silent for {silent_s:.1f}s" + (f"; killed pid {killed}" if killed
+                                                           else "")
+        if self.evict is not None:
+            self.evict(peers, detail)
+            return
+        log.error("%s; exiting (code %d) so that the launcher restarts the job now",
+                  detail, HUNG_EXIT_CODE)
+        self._exit()
+
+    @staticmethod
+    def _exit() -> None:
+        logging.shutdown()
+        os._exit(HUNG_EXIT_CODE)
+
+    def _self_frozen(self, gap_s: float) -> None:
+        """No event: the others have moved on, and nothing of an evicted worker may land in
+        the run folder beside them (its stderr says why)."""
+        log.error("this worker did not run for %.1fs (stopped or starved); its peers have "
+                  "evicted it, so it exits (code %d)", gap_s, HUNG_EXIT_CODE)
+        self._exit()
+
+    def _cut_off(self, peers: list[heartbeat.Peer]) -> None:
+        log.error("ranks %s and the coordinator are unreachable: this host is cut off; "
+                  "exiting (code %d) so that it does not train or write beside the others",
+                  [p.rank for p in peers], HUNG_EXIT_CODE)
+        self._exit()
