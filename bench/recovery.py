@@ -6,7 +6,8 @@ faults at step 105) with `--stack ours` and `--stack vanilla`, and reads the run
 (never the console). Times are from the fault (the moment the injector fired, or the moment the
 discovery file changed) to:
 
-- detect: the first survivor's `failure_detected` (ours only: vanilla does not say);
+- detect: the first `failure_detected` of a survivor, `peer_silent` (heartbeats) or
+  `hang_detected` (progress watchdog) (ours only: vanilla does not say);
 - reset: the first `reset_callback` of the new world (`hvd.init()` done again);
 - first step: the first `enter` (training function entered, state synced) after the fault;
   under torchrun the first `resume` (durable checkpoint loaded) of the restarted round;
@@ -82,6 +83,7 @@ class Scenario:
     steps: int = 200  # the job stops here; long enough for the change to land
     env: dict[str, str] = field(default_factory=dict)  # for ours
     vanilla: bool = True  # False: a variant of ours whose vanilla row is another scenario's
+    vanilla_timeout: float | None = None  # vanilla hangs for good here: stop it after this
 
 
 def scenarios() -> list[Scenario]:
@@ -109,6 +111,18 @@ def scenarios() -> list[Scenario]:
                  env={"HVD_RESILIENT_STANDBY": "0"}, vanilla=False),
         Scenario("torchrun_kill", "torchrun, kill -9 one worker (2 workers)", "", 2, 2, 2,
                  fault="kill:rank=1:step=70", kind="torchrun"),
+        # Failures that send no hang-up. Vanilla gets Horovod's default 30 s Gloo timeout
+        # (one-slot host names so that one host is not the whole job) and 150 s to recover.
+        Scenario("freeze_worker_1host", "one worker SIGSTOPped, 1 host x 3", "localhost:3",
+                 3, 2, 3, fault=f"freeze:rank=1:step={FAULT_STEP}",
+                 vanilla_hosts="\n".join(f"{n}:1" for n in one[:3]), vanilla_timeout=150.0),
+        Scenario("hang_worker_1host", "one worker hung in a step (progress timeout 3 s)",
+                 "localhost:3", 3, 2, 3, fault=f"hang:rank=1:step={FAULT_STEP}",
+                 vanilla_hosts="\n".join(f"{n}:1" for n in one[:3]), vanilla_timeout=150.0),
+        Scenario("torchrun_freeze", "torchrun, one worker SIGSTOPped (2 workers)", "", 2, 2, 2,
+                 fault="freeze:rank=1:step=70", kind="torchrun"),
+        Scenario("mpi_hang", "mpirun under hvd-resilient run, one rank hung (timeout 3 s)", "",
+                 2, 2, 2, fault="hang:rank=1:step=70", kind="mpi", vanilla=False),
     ]
 
 
@@ -131,6 +145,15 @@ def torchrun_cmd(sc: Scenario, stack: str, run: Path) -> list[str]:
         train = [sys.executable, str(ROOT / "bench" / "torchrun_vanilla_job.py"),
                  "--run-dir", str(run)]
     return torchrun_command(sc.np, "1", f"127.0.0.1:{free_port()}", 3, run.name, train)
+
+
+def mpi_cmd(sc: Scenario, run: Path) -> list[str]:
+    """What an HPC user runs: `hvd-resilient run --backend mpi` (mpirun, relaunched by the
+    supervisor from the newest durable checkpoint) on examples/digits.py."""
+    return [str(VENV_BIN / "hvd-resilient"), "run", "--backend", "mpi", "--np", str(sc.np),
+            "--run-id", run.name, "--run-dir", str(run), "--max-restarts", "2", "--",
+            sys.executable, str(ROOT / "examples" / "digits.py"), "--checkpoint-every", "20",
+            "--epochs", "6", "--seed", "5", "--recovery-progress-timeout-seconds", "3"]
 
 
 def wait_until(pred: Callable[[], bool], timeout: float, proc: subprocess.Popen) -> bool:
@@ -157,7 +180,8 @@ def write_discovery(run: Path, hosts_text: str) -> tuple[Path, Path]:
 def run_once(sc: Scenario, stack: str, work: Path, timeout: float) -> dict[str, Any]:
     run = work / f"{sc.name}-{stack}-{time.time_ns()}"
     run.mkdir(parents=True)
-    hosts, discover = write_discovery(run, sc.hosts)
+    hosts, discover = write_discovery(
+        run, sc.vanilla_hosts if stack == "vanilla" and sc.vanilla_hosts else sc.hosts)
     # ours: what `hvd-resilient run` starts (Horovod's launcher with slot hosts)
     launcher = ([sys.executable, "-m", "hvd_resilient.launch.horovod.driver"] if stack == "ours"
                 else [str(VENV_BIN / "horovodrun")])
@@ -173,6 +197,10 @@ def run_once(sc: Scenario, stack: str, work: Path, timeout: float) -> dict[str, 
         cmd = torchrun_cmd(sc, stack, run)
         # a plain torchrun restart hangs (field notes): give it a minute, not the full timeout
         timeout = min(timeout, 90.0) if stack == "vanilla" else timeout
+    elif sc.kind == "mpi":
+        cmd = mpi_cmd(sc, run)
+    if stack == "vanilla" and sc.vanilla_timeout:
+        timeout = min(timeout, sc.vanilla_timeout)
     env = dict(os.environ, PYTHONPATH=f"{ROOT}:{os.environ.get('PYTHONPATH', '')}",
                PATH=f"{VENV_BIN}:{os.environ.get('PATH', '')}", HVD_RESILIENT_FAULT=sc.fault,
                **(sc.env if stack == "ours" else {}))
@@ -201,6 +229,9 @@ def run_once(sc: Scenario, stack: str, work: Path, timeout: float) -> dict[str, 
     if sc.kind == "torchrun":  # a new round's processes, then its first step
         result = measure(list(read_events(events_path)), run, t_change, reset_event="start",
                          first_event="resume" if stack == "ours" else "enter")
+    elif sc.kind == "mpi":  # the job ends (reset: mpirun's exit), the relaunch resumes
+        result = measure(list(read_events(events_path)), run, t_change,
+                         reset_event="launcher_exit", first_event="resume")
     else:
         result = measure(list(read_events(events_path)), run, t_change)
     result.update(rc=rc, run_dir=str(run))
@@ -224,7 +255,8 @@ def measure(evs: list[dict[str, Any]], run: Path, t_change: float | None,
     enters = [e for e in after if e["event"] == first_event]
     size_before = max((e["size"] for e in evs if e["ts"] < t0), default=0)
     out: dict[str, Any] = {
-        "detect_s": first("failure_detected"),
+        "detect_s": min((t for t in (first("failure_detected"), first("hang_detected"),
+                                     first("peer_silent")) if t is not None), default=None),
         "reset_s": first(reset_event),
         "first_step_s": round(enters[0]["ts"] - t0, 3) if enters else None,
     }

@@ -10,6 +10,7 @@ the benchmark reads one format. Stops at --steps.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 
@@ -18,11 +19,12 @@ import torch
 from torch import nn
 
 import hvd_resilient
-from hvd_resilient import log
+from hvd_resilient import log, watchdog
 from hvd_resilient.backends.horovod.state import ElasticState
 from hvd_resilient.events import EventLog
 from hvd_resilient.state.sampler import ElasticDataSampler
 from hvd_resilient.training.faults import ENV, FaultPlan
+from hvd_resilient.watchdog import ProgressWatchdog
 
 
 def main() -> int:
@@ -32,6 +34,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--commit-every", type=int, default=10)
     p.add_argument("--step-time", type=float, default=0.02, help="simulated compute per step")
+    p.add_argument("--progress-timeout", type=float, default=3.0,
+                   help="ours: the progress watchdog's budget per step (seconds)")
     a = p.parse_args()
 
     hvd.init()
@@ -54,6 +58,12 @@ def main() -> int:
         events.step_source = lambda: state.step
         run = hvd.elastic.run
     state.register_reset_callbacks([lambda: events.emit("reset_callback")])
+    dog = None
+    if a.stack == "ours":  # a custom loop opts into the progress watchdog like this
+        dog = ProgressWatchdog(run_dir=a.run_dir, rank=hvd.rank, emit=events.emit,
+                               timeout_s=a.progress_timeout).start()
+        watchdog.install(dog)
+    waiting = dog.waiting_for_peers if dog else contextlib.nullcontext
 
     @run
     def train(state) -> None:
@@ -63,9 +73,12 @@ def main() -> int:
             idx = torch.randint(0, len(x), (32,))
             opt.zero_grad()
             nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
-            opt.step()
+            with waiting():  # Horovod's step() waits for the other ranks' gradients
+                opt.step()
             time.sleep(a.step_time)
             state.step += 1
+            if dog is not None:
+                dog.step()
             if state.step % a.commit_every == 0 or (
                     a.stack == "ours" and state.host_change_pending()):
                 if a.stack == "vanilla" and hvd.rank() == 0:
