@@ -4,7 +4,9 @@ A plan comes from one environment variable, read once by the entry point and pas
 `HVD_RESILIENT_FAULT="kill:rank=1:step=50"` (also `raise:` for a Python exception and
 `abort:` for an out-of-memory-style abort, and `stall:rank=0:step=30:seconds=6` for a rank
 that is alive but busy in Python, which must NOT be taken for a failure; `hang:` for a rank
-that never ends its step, `freeze:` for one that stops itself with SIGSTOP). `at=upload` fires in
+that never ends its step, `freeze:` for one that stops itself with SIGSTOP; `slow:rank=1:step=20:
+seconds=0.05` for a straggler: the process that is rank 1 at step 20 sleeps that long in every
+step from then on, whatever its rank after a reset, as a slow machine would). `at=upload` fires in
 the checkpoint writer instead, once the files of that step's checkpoint are stored and before
 its manifest is published: the worst moment for rank 0 to die. Each fault fires once
 per run: a marker file in the run folder remembers it (and when it fired), so the worker that
@@ -22,7 +24,7 @@ from pathlib import Path
 from hvd_resilient.errors import ConfigError
 
 ENV = "HVD_RESILIENT_FAULT"
-KINDS = ("kill", "raise", "abort", "stall", "hang", "freeze")
+KINDS = ("kill", "raise", "abort", "stall", "hang", "freeze", "slow")
 MOMENTS = ("step", "upload")
 
 
@@ -35,7 +37,7 @@ class Fault:
     kind: str
     rank: int
     step: int
-    seconds: float = 6.0  # stall only
+    seconds: float = 6.0  # stall and slow only
     at: str = "step"
 
 
@@ -43,6 +45,8 @@ class FaultPlan:
     def __init__(self, faults: list[Fault], run_dir: str) -> None:
         self.faults = faults
         self.run_dir = Path(run_dir)
+        self._slow: dict[int, bool] = {}
+        """Slow fault index -> whether this process is the slow one (absent: not decided)."""
 
     @classmethod
     def parse(cls, spec: str | None, run_dir: str) -> FaultPlan:
@@ -67,6 +71,9 @@ class FaultPlan:
 
     def maybe_fire(self, rank: int, step: int, at: str = "step") -> None:
         for i, f in enumerate(self.faults):
+            if f.kind == "slow":
+                self._maybe_slow(i, f, rank, step, at)
+                continue
             if f.rank != rank or f.step != step or f.at != at:
                 continue
             marker = self.run_dir / f".fault-{i}-{f.kind}-r{f.rank}-s{f.step}"
@@ -80,8 +87,10 @@ class FaultPlan:
                 os.kill(os.getpid(), signal.SIGKILL)
             elif f.kind == "abort":
                 os.abort()
-            elif f.kind == "stall":
-                time.sleep(f.seconds)  # the fault IS the sleep: a rank busy in Python
+            elif f.kind == "stall":  # a rank busy in Python, holding the GIL between switches
+                end = time.monotonic() + f.seconds
+                while time.monotonic() < end:
+                    sum(range(1000))
                 continue
             elif f.kind == "hang":
                 while True:  # alive, threads running, no progress: the watchdog's case
@@ -90,3 +99,25 @@ class FaultPlan:
                 os.kill(os.getpid(), signal.SIGSTOP)  # as a paused VM: the peers' case
                 continue
             raise InjectedFault(f"injected fault at rank {rank} step {step}")
+
+    def _maybe_slow(self, i: int, f: Fault, rank: int, step: int, at: str) -> None:
+        """A slow machine: the first process at `f.rank` on or after `f.step` claims the fault
+        (its marker, once per run) and is slow from then on; no other process ever is, so a
+        worker that refills its slot after an eviction is a healthy one."""
+        if f.at != at:
+            return
+        mine = self._slow.get(i)
+        if mine is None:
+            if f.rank != rank or step < f.step:
+                return
+            marker = self.run_dir / f".fault-{i}-{f.kind}-r{f.rank}-s{f.step}"
+            try:
+                fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                self._slow[i] = mine = False  # another process was (or is) the slow one
+            else:
+                os.write(fd, f"{time.time():.6f}\n".encode())
+                os.close(fd)
+                self._slow[i] = mine = True
+        if mine:
+            time.sleep(f.seconds)  # the fault IS the sleep: compute that takes longer
