@@ -68,8 +68,11 @@ class Heartbeat:
     def __init__(self, timeout_s: float, *, on_lost: Callable[[list[Peer], float], None],
                  on_self_frozen: Callable[[float], None],
                  on_cut_off: Callable[[list[Peer]], None],
-                 is_cut_off: Callable[[], bool], interval_s: float = INTERVAL_S) -> None:
+                 is_cut_off: Callable[[], bool], interval_s: float = INTERVAL_S,
+                 machine: str = "") -> None:
         self.timeout_s = timeout_s
+        self.machine = machine
+        """This process's machine as peers name it: silent peers here can be looked at."""
         self.interval_s = interval_s
         self.on_lost, self.on_self_frozen = on_lost, on_self_frozen
         self.on_cut_off, self.is_cut_off = on_cut_off, is_cut_off
@@ -136,12 +139,32 @@ class Heartbeat:
                     self._judging = False
                     verdict = ("silent", silent, max(now - self._last[p.pid] for p in silent),
                                len(silent) == len(self._peers))
+            if verdict[0] == "silent":
+                verdict = self._spare_the_starved(verdict)
+                if verdict is None:
+                    continue
             if verdict[0] == "frozen":
                 self.on_self_frozen(gap)
             elif verdict[3] and self.is_cut_off():
                 self.on_cut_off(verdict[1])
             else:
                 self.on_lost(verdict[1], verdict[2])
+
+    def _spare_the_starved(self, verdict: tuple) -> tuple | None:
+        """A silent peer on this machine whose process is not stopped is alive but starved of
+        CPU (its heartbeat thread did not get to run): judge it again later instead of
+        evicting it. A stopped one (state T), or one on another machine, stays silent."""
+        silent = [p for p in verdict[1] if not _alive_here(p, self.machine)]
+        if silent:
+            return ("silent", silent, verdict[2], verdict[3] and len(silent) == len(verdict[1]))
+        with self._lock:
+            now = time.monotonic()
+            for p in verdict[1]:
+                self._last[p.pid] = now
+            self._judging = True
+        log.warning("ranks %s silent but running on this machine (starved of CPU?); not "
+                    "evicted", [p.rank for p in verdict[1]])
+        return None
 
     def _drain(self, now: float) -> None:
         by_token = {str(p.pid).encode(): p.pid for p in self._peers}
@@ -153,6 +176,18 @@ class Heartbeat:
             pid = by_token.get(data)
             if pid is not None:
                 self._last[pid] = now
+
+
+def _alive_here(p: Peer, machine: str) -> bool:
+    """True when `p` runs on `machine` (this one) and its process is not stopped."""
+    if not machine or p.machine != machine:
+        return False
+    try:
+        with open(f"/proc/{p.pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("T", "t", "Z", "X")
 
 
 def probe(address: tuple[str, int], timeout: float = 0.5) -> bool:

@@ -71,7 +71,8 @@ class SilentPeers:
         self.hb = heartbeat.Heartbeat(
             timeout_s, on_lost=self._lost, on_self_frozen=self._self_frozen,
             on_cut_off=self._cut_off,
-            is_cut_off=lambda: coordinator is not None and not heartbeat.probe(coordinator))
+            is_cut_off=lambda: coordinator is not None and not heartbeat.probe(coordinator),
+            machine=machine)
         self.address = (outward_ip(coordinator), self.hb.port)
 
     def peer(self, rank: int) -> heartbeat.Peer:

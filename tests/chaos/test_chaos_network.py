@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.support.elastic_run import ElasticRun
@@ -33,7 +35,8 @@ def test_slow_link_without_failure_causes_no_reset(chaos):
     """One host's link throttled (netem delay where the kernel has it; this machine's kernel
     has only tbf, so a rate limit that stretches every allreduce): slower steps, no reset."""
     c = chaos.cluster(3)
-    run = ElasticRun(chaos, c, "slow-link", expect_sizes=[3], steps_at_each=80)
+    run = ElasticRun(chaos, c, "slow-link", expect_sizes=[3], steps_at_each=80,
+                     job_args=tuple(os.environ.get("HVD_CHAOS_JOB_ARGS", "").split()))
     first = run.wait_commit(3, min_step=10)
     base = run.wait_commit(3, min_step=first["step"] + 20)
     host = run.host_of_rank(1)

@@ -128,3 +128,26 @@ def test_a_hung_worker_ends_a_restart_all_job_with_its_stacks(tmp_path, jobs, ba
     (hang,) = [e for e in evs if e["event"] == "hang_detected"]
     assert hang["rank"] == 1 and hang["section"] == "step", hang
     assert "maybe_fire" in "".join(p.read_text() for p in (run / "hangs").glob("rank1-*.txt"))
+
+
+def test_long_first_step_and_a_long_stall_below_the_budget_are_not_failures(tmp_path, jobs):
+    """A first step that takes 20 s (compilation, loader warm-up) and a 10 s busy stall later
+    (a slow batch), under the default budgets (first step 600 s; later max(30 s, 10 x the
+    slowest step)) and the default heartbeats: nothing may fire."""
+    run = tmp_path / "run"
+    run.mkdir()
+    _, discover = write_discovery(tmp_path, "localhost:2")
+    cmd = horovodrun_elastic(discover, 2, 1, 2, "--gloo-timeout-seconds", GLOO_TIMEOUT)
+    cmd[:1] = [PYTHON, "-m", "hvd_resilient.launch.horovod.driver"]
+    job = jobs.start(
+        cmd + [PYTHON, DIGITS, "--run-dir", str(run), "--epochs", "1", "--batch-size", "16",
+               "--commit-every", "5"],
+        env=jobs.env(HVD_RESILIENT_FAULT="stall:rank=0:step=0:seconds=20,"
+                                         "stall:rank=1:step=20:seconds=10"), name="no-alarm")
+    assert job.wait(300) == 0, job.output()[-3000:]
+    assert_faults_fired(run, 2)
+    evs = events(run / "events.jsonl")
+    alarms = [e for e in evs if e["event"] in ("hang_detected", "peer_silent", "failure_detected",
+                                               "reset")]
+    assert not alarms, alarms
+    assert len(set(final_digests(run).values())) == 1

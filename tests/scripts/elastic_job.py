@@ -56,6 +56,8 @@ def main() -> int:
     p.add_argument("--allreduce-mb", type=float, default=0.0,
                    help="also allreduce a tensor this big every --allreduce-every steps")
     p.add_argument("--allreduce-every", type=int, default=10)
+    p.add_argument("--heartbeat-timeout", type=float, default=1.5,
+                   help="seconds of silence before a peer is evicted (0: heartbeats off)")
     a = p.parse_args()
     expected = [int(x) for x in a.expect_sizes.split(",") if x]
 
@@ -104,7 +106,7 @@ def main() -> int:
                            "pos": state.sampler.consumed, "ids": ids})
         os.write(samples_fd, (line + "\n").encode())
 
-    @hvd_resilient.run
+    @hvd_resilient.run(heartbeat_timeout_s=a.heartbeat_timeout)
     def train(state: ElasticState) -> None:
         while state.step < a.max_steps:
             if state.sampler.epoch_done():

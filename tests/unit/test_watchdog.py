@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -112,3 +113,34 @@ def test_when_every_peer_is_silent_the_probe_decides_cut_off():
     while not verdicts and time.monotonic() < deadline:
         time.sleep(0.05)
     assert verdicts == [("cut_off", [1])]
+
+
+def test_a_silent_peer_that_runs_on_this_machine_is_spared_a_stopped_one_is_not():
+    """Silence from a process here that is not stopped is CPU starvation, not a freeze."""
+    import signal
+    import subprocess
+
+    running = subprocess.Popen(["sleep", "60"])
+    stopped = subprocess.Popen(["sleep", "60"])
+    try:
+        os.kill(stopped.pid, signal.SIGSTOP)
+        for pid, expect in ((running.pid, []), (stopped.pid, [("lost", [1])])):
+            verdicts: list = []
+            me = heartbeat.Heartbeat(
+                0.5, interval_s=0.05, machine="here",
+                on_lost=lambda peers, s, v=verdicts: v.append(("lost", [p.rank for p in peers])),
+                on_self_frozen=lambda gap: None, on_cut_off=lambda peers: None,
+                is_cut_off=lambda: False)
+            mute = heartbeat.Heartbeat(0.5, on_lost=None, on_self_frozen=None, on_cut_off=None,
+                                       is_cut_off=None)
+            me.arm(0, [heartbeat.Peer(0, ("127.0.0.1", me.port), "here", 1),
+                       heartbeat.Peer(1, ("127.0.0.1", mute.port), "here", pid)])
+            deadline = time.monotonic() + 2.0
+            while not verdicts and time.monotonic() < deadline:
+                time.sleep(0.05)
+            me.disarm()
+            assert verdicts == expect, (pid, verdicts)
+    finally:
+        for p in (running, stopped):
+            p.kill()
+            p.wait()

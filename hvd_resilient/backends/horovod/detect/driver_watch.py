@@ -3,8 +3,8 @@
 When the driver (horovodrun) is killed, Horovod ends its ssh clients, but a worker in a non-tty
 remote session receives no signal: it trains on, and its rank 0 keeps writing checkpoints while
 `hvd-resilient run` (or the scheduler) has already started the job again. Every elastic worker
-therefore probes the driver's rendezvous server (the address Horovod gives it) once a second; a
-few failed connections in a row (a refused connection is immediate when the driver's host is up)
+therefore probes the driver's rendezvous server (the address Horovod gives it) once a second; five
+failed connections in a row (a refused connection is immediate when the driver's host is up)
 mean the driver is gone, and the worker exits with DRIVER_LOST_EXIT_CODE after saying so. A
 partitioned host is treated the same way: it cannot rejoin its job anyway.
 """
@@ -23,7 +23,12 @@ from hvd_resilient.log import get
 
 log = get("driver_watch")
 PROBE_EVERY_S = 1.0
-LOST_AFTER = 3  # consecutive failed probes
+LOST_AFTER = 5  # consecutive failed probes
+PROBE_TIMEOUT_S = 2.0
+"""A probe's connect may wait this long: on a saturated or throttled link a SYN can be dropped
+and resent after 1 s, which must not read as a lost driver (seen with a 256 kbit tbf link).
+A killed driver refuses at once, so it is still found in about LOST_AFTER seconds; a cut-off
+host is found sooner by the heartbeats (`backends/heartbeat.py`)."""
 
 _started = False
 _lock = threading.Lock()
@@ -48,7 +53,7 @@ def watch(address: tuple[str, int], on_lost: Callable[[], None], stop: threading
           every: float = PROBE_EVERY_S, lost_after: int = LOST_AFTER) -> None:
     failures = 0
     while not stop.wait(every):
-        failures = 0 if reachable(address) else failures + 1
+        failures = 0 if reachable(address, timeout=PROBE_TIMEOUT_S) else failures + 1
         if failures >= lost_after:
             on_lost()
             return
