@@ -99,6 +99,12 @@ class ProgressWatchdog:
         self._waiting = True
         try:
             yield
+        except BaseException:
+            # The collective failed (a peer died): recovery starts now, and it must not be
+            # charged with the time this rank spent waiting for the culprit.
+            with self._lock:
+                self._last = time.monotonic()
+            raise
         finally:
             self._waiting = False
 

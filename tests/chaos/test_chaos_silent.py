@@ -67,3 +67,36 @@ def test_a_frozen_host_is_evicted_its_workers_killed_over_ssh(chaos):
     assert numbers["failure_detected_first_s"] < GLOO_TIMEOUT_S, numbers
     assert any(e["event"] == "slot_evicted" and e["how"] == "ssh" for e in run.events())
     assert not _stopped([worker]), "the frozen worker was not killed over ssh"
+
+
+def test_a_partitioned_host_is_evicted_in_seconds_and_stops_itself(chaos):
+    """Link down: nothing arrives, nothing is refused. The survivors' heartbeats evict the host
+    and the driver ends its ssh session at once (plain horovodrun waits for ServerAlive, 6-8 s);
+    the cut-off worker finds every peer and the driver silent and exits without writing."""
+    c = chaos.cluster(3)
+    run = ElasticRun(chaos, c, "partition-ours", expect_sizes=[3, 2, 3], supervised=0)
+    run.wait_commit(3, min_step=20)
+    host = run.host_of_rank(2)
+    assert host != run.host_of_rank(0)
+    cut_pid = run.pid_of_rank(2)
+    run.marks["fault"] = c.partition(host)
+    run.wait(lambda: [e for e in run.of("reset") if e["new_size"] == 2], 120, "the reset to 2")
+    run.marks["heal"] = c.heal(host)
+    numbers = run.check([3, 2, 3])
+    numbers.update(run.timings())
+    run.report(numbers)
+    assert numbers["failure_detected_first_s"] < GLOO_TIMEOUT_S, numbers
+    evs = run.events()
+    t0 = run.marks["fault"]
+    restarted = min(e["ts"] for e in evs if e["event"] == "start" and e["ts"] > t0)
+    # Until a new worker starts, rank 2 can only be the cut-off one: the world has 2 ranks.
+    late = [e for e in evs if e["rank"] == 2 and t0 + 0.5 < e["ts"] < restarted]
+    assert not late, f"the cut-off worker wrote after it was evicted: {late}"
+    assert not psutil.pid_exists(cut_pid) or _status(cut_pid) == "gone", "it trains on"
+
+
+def _status(pid: int) -> str:
+    try:
+        return psutil.Process(pid).status()
+    except psutil.Error:
+        return "gone"

@@ -144,3 +144,20 @@ def test_a_silent_peer_that_runs_on_this_machine_is_spared_a_stopped_one_is_not(
         for p in (running, stopped):
             p.kill()
             p.wait()
+
+
+def test_a_failed_wait_for_peers_restarts_the_clock(tmp_path):
+    """A victim that waited for a hung peer longer than a step's budget must not fire the
+    moment the culprit dies and its collective fails: recovery starts then."""
+    dog, fired, done = _dog(tmp_path, timeout_s=0.3, first_step_s=0.3)
+    dog.step()
+    dog.start()
+    try:
+        with dog.waiting_for_peers():
+            time.sleep(0.5)  # over one budget, inside VICTIM_FACTOR budgets
+            raise ConnectionError("the culprit died")
+    except ConnectionError:
+        pass
+    time.sleep(0.2)  # the handler's first moments, before any section begins
+    dog.stop()
+    assert not fired and not done.is_set()

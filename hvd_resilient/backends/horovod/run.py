@@ -86,24 +86,27 @@ def run(func: Callable[..., T] | None = None, *,
                     return result
                 except HorovodInternalError as e:
                     detected = time.time()
-                    watch.disarm()
-                    silent.disarm()
-                    hung_up = watch.detected_at
-                    state.events.emit(
-                        "failure_detected", error=_one_line(e),
-                        peer_hangup=watch.detail or None,
-                        detect_seconds=round(detected - hung_up, 6) if hung_up else None,
-                    )
-                    if hung_up:
-                        detected = hung_up
-                    log.warning("collective failed (%s); restoring the last commit", _one_line(e))
-                    state.restore()
+                    with watchdog.section("recovery", None):  # until the next sync, unbounded
+                        watch.disarm()
+                        silent.disarm()
+                        hung_up = watch.detected_at
+                        state.events.emit(
+                            "failure_detected", error=_one_line(e),
+                            peer_hangup=watch.detail or None,
+                            detect_seconds=round(detected - hung_up, 6) if hung_up else None,
+                        )
+                        if hung_up:
+                            detected = hung_up
+                        log.warning("collective failed (%s); restoring the last commit",
+                                    _one_line(e))
+                        state.restore()
                     skip_sync = False
                 except HostsUpdatedInterrupt as e:
                     detected = time.time()
-                    watch.disarm()
-                    silent.disarm()
-                    state.events.emit("hosts_changed", removed_only=bool(e.skip_sync))
+                    with watchdog.section("recovery", None):
+                        watch.disarm()
+                        silent.disarm()
+                        state.events.emit("hosts_changed", removed_only=bool(e.skip_sync))
                     skip_sync = e.skip_sync
                 old_size = hvd.size()
                 with watchdog.section("reset", None):  # the driver may wait minutes for hosts
