@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast lint demo bench chaos image clean
+.PHONY: install test test-fast lint demo bench chaos image clean docker-test
 
 $(STAMP): pyproject.toml scripts/install.sh
 	bash scripts/install.sh
@@ -15,25 +15,34 @@ install: $(STAMP)
 # The one test command (README and .ci/run call exactly this).
 test: $(STAMP)
 	$(PY) -m ruff check hvd_resilient discovery tests examples bench
-	$(PY) -m pytest -q -m "not chaos or ci_chaos" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "(not chaos or ci_chaos) and not docker" $(PYTEST_ARGS)
 
 # Every multi-host scenario (root, network namespaces, sshd; about 6 minutes).
 chaos: $(STAMP)
 	$(PY) -m pytest -q -m chaos tests/chaos $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow and not chaos" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow and not chaos and not docker" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check hvd_resilient discovery tests examples bench
 	shellcheck -x scripts/install.sh .ci/run examples/slurm/train.sbatch docker/*.sh docker/chaos/*.sh
 
+# The Docker tier (root): installs docker.io, docker-compose and debootstrap if missing, starts
+# an engine if none runs, builds the image, runs tests/docker (compose job + every chaos
+# script), removes all it made. docs/containers.md; times there.
+docker-test: $(STAMP)
+	bash scripts/docker_test.sh $(PYTEST_ARGS)
+
 # Needs a Docker engine (none on the project's CI machines): see docs/containers.md.
 image:
 	docker build -f docker/Dockerfile -t hvd-resilient:cpu .
 
+# About two minutes: a fault, a host added and removed, then the report (launch/demo.py);
+# `make demo DEMO_ARGS=--interactive` runs without the script (edit the hosts file yourself).
+DEMO_ARGS ?=
 demo: $(STAMP)
-	$(VENV)/bin/hvd-resilient demo
+	$(VENV)/bin/hvd-resilient demo $(DEMO_ARGS)
 
 bench: $(STAMP)
 	$(PY) bench/checkpoint_bench.py

@@ -4,7 +4,8 @@ Precedence: defaults < config file (YAML or JSON) < `HVD_RESILIENT_<FIELD>` envi
 variables < command-line flags. Every value is checked in `__post_init__`, so a bad value stops
 the job before any worker trains, with one line that names the field and how to set it.
 
-Settings that belong to one concern live in a section (`store`, `recovery`, `observability`):
+Settings that belong to one concern live in a section (`store`, `recovery`, `observability`,
+`data`):
 `cfg.store.sse` is set by `--store-sse`, `HVD_RESILIENT_STORE_SSE` or `store: {sse: ...}` in
 the file. This module is the only place that reads them; everything below gets them passed in.
 """
@@ -106,15 +107,87 @@ class ObservabilityOptions:
 
     log_level: str = "INFO"
     """Level of the library's loggers on rank 0 (other ranks log warnings and above)."""
+    metrics_port: int = 0
+    """Rank 0 serves Prometheus metrics over HTTP on this port (0: off); docs/observability.md
+    lists them."""
+    metrics_addr: str = "0.0.0.0"
+    """Address the metrics endpoint listens on (0.0.0.0: every interface, so that the
+    cluster's scraper reaches it; 127.0.0.1: this machine only)."""
+    straggler_window_steps: int = 50
+    """Steps per straggler window: every rank's median compute time over it is exchanged once
+    (one small allgather per window, never per step; 0: no straggler detection)."""
+    straggler_ratio: float = 1.3
+    """A rank is slow in a window when its median compute time is above this many times the
+    median of the other ranks' medians."""
+    straggler_windows: int = 3
+    """A rank slow in this many consecutive windows is reported as a straggler (a `straggler`
+    event, a warning on rank 0)."""
+    straggler_min_seconds: float = 0.02
+    """A slow window also needs the rank's median to be at least this many seconds above the
+    others' (a ratio between steps of a few milliseconds is scheduling noise, not a slow
+    machine)."""
+    straggler_evict: bool = False
+    """Treat a reported straggler as failed: it records `straggler_evicted` and exits (code
+    77), and the elastic job goes on without it (its slot waits out its cooldown)."""
 
     def __post_init__(self) -> None:
         self.log_level = str(self.log_level).upper()
         _require(self.log_level in LOG_LEVELS, "observability_log_level",
                  f"one of {', '.join(LOG_LEVELS)}", self.log_level)
+        _require(0 <= self.metrics_port <= 65535, "observability_metrics_port",
+                 "0 (off) or a TCP port (1-65535)", self.metrics_port)
+        _require(bool(self.metrics_addr.strip()), "observability_metrics_addr",
+                 "an address to listen on (0.0.0.0: every interface)", self.metrics_addr)
+        _require(self.straggler_window_steps == 0 or self.straggler_window_steps >= 4,
+                 "observability_straggler_window_steps", "0 (off) or >= 4 (a median of fewer "
+                 "steps is noise)", self.straggler_window_steps)
+        _require(self.straggler_ratio > 1.0, "observability_straggler_ratio", "> 1",
+                 self.straggler_ratio)
+        _require(self.straggler_windows >= 1, "observability_straggler_windows", ">= 1",
+                 self.straggler_windows)
+        _require(self.straggler_min_seconds >= 0, "observability_straggler_min_seconds",
+                 ">= 0", self.straggler_min_seconds)
+
+
+BAD_SAMPLE_ACTIONS = ("fatal", "skip")
+
+
+@dataclass(kw_only=True)
+class DataOptions:
+    """How batches are loaded ahead of the step."""
+
+    num_workers: int = 0
+    """Loader worker processes per rank (0: samples are loaded in the training process, at the
+    step). Loading and augmentation then run in these processes, ahead of the step."""
+    prefetch_factor: int = 2
+    """Batches each loader worker prepares ahead (with num_workers > 0)."""
+    pin_memory: bool = False
+    """Put loaded batches in page-locked memory, for faster copies to a GPU (ignored without
+    one)."""
+    persistent_workers: bool = True
+    """Keep the loader workers from one epoch to the next (false: new workers every epoch, as
+    a plain DataLoader does)."""
+    on_bad_sample: str = "fatal"
+    """A sample that raises while loading, or a shard that cannot be read: fatal (stop the job
+    with one line naming it) or skip (leave it out and record a bad_sample event)."""
+    readahead_shards: int = 2
+    """Streamed shards: how many shards each rank fetches ahead of the one it reads."""
+    cache_dir: str = ""
+    """Streamed shards from S3 are downloaded here (default: a temporary folder per process,
+    removed at the end)."""
+
+    def __post_init__(self) -> None:
+        _require(self.num_workers >= 0, "data_num_workers", ">= 0", self.num_workers)
+        _require(self.prefetch_factor >= 1, "data_prefetch_factor", ">= 1",
+                 self.prefetch_factor)
+        _require(self.on_bad_sample in BAD_SAMPLE_ACTIONS, "data_on_bad_sample",
+                 f"one of {', '.join(BAD_SAMPLE_ACTIONS)}", self.on_bad_sample)
+        _require(self.readahead_shards >= 0, "data_readahead_shards", ">= 0",
+                 self.readahead_shards)
 
 
 SECTIONS: dict[str, type] = {"store": StoreOptions, "recovery": RecoveryOptions,
-                             "observability": ObservabilityOptions}
+                             "observability": ObservabilityOptions, "data": DataOptions}
 """Section name -> its dataclass; a setting's flat name is `<section>_<field>`."""
 
 ENV_ALIASES = {"HVD_RESILIENT_SNAPSHOT_REUSE": "store_snapshot_reuse",
@@ -173,6 +246,7 @@ class TrainConfig:
     store: StoreOptions = field(default_factory=StoreOptions)
     recovery: RecoveryOptions = field(default_factory=RecoveryOptions)
     observability: ObservabilityOptions = field(default_factory=ObservabilityOptions)
+    data: DataOptions = field(default_factory=DataOptions)
 
     def __post_init__(self) -> None:
         for name in ("epochs", "batch_size", "commit_every", "keep_last", "log_every"):

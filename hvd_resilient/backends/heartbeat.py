@@ -8,13 +8,16 @@ places of it on the ring (every peer in a world of up to five), so the traffic p
 constant at any scale and every rank is watched by up to four others. A peer silent for
 `timeout_s` is reported through `on_lost`, once per arming.
 
-The thread watches itself too: if its own loop was held up longer than `timeout_s` (this process
-was the frozen one, or starved), its peers have given up on it, so it reports `on_self_frozen`
+The thread watches itself too: if its own loop was held up longer than twice `timeout_s` (this
+process was the frozen one), its peers have given up on it, so it reports `on_self_frozen`
 instead of blaming them. If every watched peer falls silent at once, either they all froze or
 this host is cut off; `is_cut_off` (a probe of the launcher's driver or store) decides, and a
 cut-off worker reports `on_cut_off` so that it stops instead of training on beside the others.
 
-What it cannot tell apart: a peer starved of CPU for longer than `timeout_s` looks frozen.
+What it cannot tell apart: a peer on another machine starved of CPU for longer than
+`timeout_s` looks frozen (on this machine, /proc says it is running and it is spared). Under heavy
+CPU oversubscription (containers at load 13-36 on 2 cores) raise
+`recovery.heartbeat_timeout_seconds`.
 """
 
 from __future__ import annotations
@@ -129,7 +132,10 @@ class Heartbeat:
                     self._drain(now)
                 if not self._judging:
                     continue
-                if gap > self.timeout_s:  # this process did not run: the peers gave up on it
+                if gap > 2 * self.timeout_s:  # this process did not run: the peers gave up
+                    # on it. Twice the timeout: a starved process that still got evicted is
+                    # killed by its evictor anyway; this is the backstop for a frozen one that
+                    # nobody could reach, and it must not end a process that was merely slow.
                     self._judging = False
                     verdict: tuple = ("frozen", gap)
                 else:

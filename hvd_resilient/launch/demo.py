@@ -1,60 +1,217 @@
-"""`hvd-resilient demo`: an elastic job on this one machine, no cloud account needed.
+"""`hvd-resilient demo`: an elastic job on this one machine that survives a fault, a host
+added and a host removed, then reports what it went through. No cloud account, no setup.
 
-Two one-slot "hosts" (`localhost` and `127.0.0.1` count as two, both started without ssh), so
-a killed worker costs one host for a cooldown, not the whole job; edit the printed hosts file
-while it runs to scale between 1 and 4 workers.
+It trains the small GPT of examples/gpt.py on the Python standard library's sources (shards
+written to the run folder and streamed back through loader workers) under Horovod Elastic
+with one "host" per slot (`hvd_resilient.launch.horovod.driver`), and plays a script while it
+runs, watching the event log:
+
+1. a worker is killed with SIGKILL part-way (`HVD_RESILIENT_FAULT`): the survivors notice in
+   milliseconds, restore the last in-memory commit and train on; the slot comes back after a
+   short cooldown;
+2. a host is added to the discovery file: the world grows at the next step;
+3. it is removed again: the world shrinks at the next step, nothing lost;
+4. the job ends at --max-steps; `hvd-resilient report` prints recovery times, steps lost and
+   goodput, and writes the plot.
+
+--interactive skips the script: the job runs with the printed hosts file, edit it yourself.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import shlex
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from hvd_resilient.errors import LaunchError
 from hvd_resilient.launch.horovod.command import ElasticLaunch, horovodrun_command
 
 REPO = Path(__file__).resolve().parents[2]  # hvd_resilient/launch/demo.py -> the checkout
+KILL_STEP = 60
+
+
+def _say(text: str) -> None:
+    print(f"[demo {time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+
+class EventTail:
+    """Reads the run's events.jsonl as it grows (torn last lines are left for the next read)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.events: list[dict[str, Any]] = []
+
+    def poll(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.offset)
+                chunk = fh.read()
+        except FileNotFoundError:
+            return []
+        end = chunk.rfind(b"\n") + 1
+        self.offset += end
+        new = []
+        for line in chunk[:end].splitlines():
+            try:
+                new.append(json.loads(line))
+            except ValueError:
+                continue
+        self.events += new
+        return new
+
+    def commits(self) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["event"] == "commit"]
+
+    def size(self) -> int:
+        c = self.commits()
+        return c[-1]["size"] if c else 0
+
+    def step(self) -> int:
+        c = self.commits()
+        return c[-1]["step"] if c else 0
+
+
+def _wait(tail: EventTail, job: subprocess.Popen[bytes], what: str,
+          done: Callable[[], bool], timeout: float) -> bool:
+    """Polls the event log until `done()`; False if the job ended or the wait ran out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        tail.poll()
+        if done():
+            return True
+        if job.poll() is not None:
+            _say(f"the job ended before {what}")
+            return False
+        time.sleep(0.2)  # polling a file another process appends to, bounded by the deadline
+    _say(f"gave up waiting for {what} after {timeout:.0f} s")
+    return False
+
+
+def _set_hosts(hosts: Path, text: str) -> None:
+    tmp = hosts.with_suffix(".tmp")
+    tmp.write_text("# one host:slots per line; read by discover.sh while the job runs\n"
+                   + text + "\n")
+    os.replace(tmp, hosts)
+
+
+def _script(tail: EventTail, job: subprocess.Popen[bytes], hosts: Path, np: int) -> None:
+    """Kill, add, remove, narrating what the event log shows."""
+    if not _wait(tail, job, "the first commit", lambda: tail.size() > 0, 600):
+        return
+    _say(f"training: world size {tail.size()}, one rank per slot")
+    _say(f"a worker will be killed with SIGKILL at step {KILL_STEP}")
+    if not _wait(tail, job, "the kill", lambda: any(
+            e["event"] == "restore" for e in tail.events), 600):
+        return
+    restore = next(e for e in tail.events if e["event"] == "restore")
+    fired = [float(f.read_text()) for f in tail.path.parent.glob(".fault-*")]
+    took = f" {restore['ts'] - min(fired):.2f} s after the kill" if fired else ""
+    detected = [e for e in tail.events if e["event"] == "failure_detected"]
+    how = " by a peer's hang-up" if detected and detected[0].get("peer_hangup") else ""
+    _say(f"worker killed; the survivors noticed{how} and restored the last commit{took}: "
+         f"step {restore['to_step']}, {restore['lost_steps']} steps to redo")
+    if not _wait(tail, job, "training at the smaller size",
+                 lambda: 0 < tail.size() < np, 120):
+        return
+    _say(f"world size {tail.size()}; the killed slot returns after its cooldown")
+    if not _wait(tail, job, "the slot's return", lambda: tail.size() >= np, 180):
+        return
+    _say(f"world size {tail.size()} again at step {tail.step()}")
+    t0 = time.monotonic()
+    _set_hosts(hosts, f"localhost:{np + 1}")
+    _say(f"added a host: {hosts.name} now says localhost:{np + 1}")
+    if not _wait(tail, job, "the added host", lambda: tail.size() == np + 1, 180):
+        return
+    _say(f"world size {tail.size()} at step {tail.step()}, {time.monotonic() - t0:.1f} s "
+         "after the file changed")
+    grown = tail.step()
+    if not _wait(tail, job, "some steps at the new size",
+                 lambda: tail.step() >= grown + 30, 180):
+        return
+    t0 = time.monotonic()
+    _set_hosts(hosts, f"localhost:{np}")
+    _say(f"removed it again: {hosts.name} says localhost:{np}")
+    if not _wait(tail, job, "the removal", lambda: tail.size() == np, 180):
+        return
+    _say(f"world size {tail.size()} at step {tail.step()}, "
+         f"{time.monotonic() - t0:.1f} s after the file changed; training to the end")
 
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="hvd-resilient demo", description=__doc__.splitlines()[0])
-    p.add_argument("--run-dir", default="runs/demo")
-    p.add_argument("--epochs", type=int, default=30)
+    p.add_argument("--run-dir", default="",
+                   help="default: runs/demo-<time> (a fresh folder: a used one would resume)")
+    p.add_argument("--max-steps", type=int, default=450)
+    p.add_argument("--np", type=int, default=2, help="workers at start (one per slot)")
+    p.add_argument("--interactive", action="store_true",
+                   help="no script: edit the hosts file yourself while it trains")
     p.add_argument("--dry-run", action="store_true", help="print the command and exit")
     a = p.parse_args(argv)
-    example = REPO / "examples" / "digits.py"
+    example = REPO / "examples" / "gpt.py"
     hostfile_script = REPO / "discovery" / "hostfile"
     if not example.exists() or not hostfile_script.exists():
         raise LaunchError(f"the demo runs from a source checkout; {example} is missing")
-    run_dir = Path(a.run_dir).absolute()
+    run_dir = Path(a.run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}").absolute()
     run_dir.mkdir(parents=True, exist_ok=True)
     hosts = run_dir / "hosts.txt"
-    if not hosts.exists():
-        hosts.write_text("# one host:slots per line; edit while the job runs\n"
-                         "localhost:1\n127.0.0.1:1\n")
+    _set_hosts(hosts, f"localhost:{a.np}")
     discover = run_dir / "discover.sh"
     discover.write_text(
         f"#!/bin/sh\nexec {shlex.quote(sys.executable)} {shlex.quote(str(hostfile_script))} "
         f"{shlex.quote(str(hosts))}\n"
     )
     discover.chmod(0o755)
-    launch = ElasticLaunch(np=2, min_np=1, max_np=4, discovery_script=str(discover),
-                           network_interface="lo", gloo_timeout_seconds=15,
-                           blacklist_cooldown=(5, 10))
+    launch = ElasticLaunch(np=a.np, min_np=1, max_np=a.np + 2, discovery_script=str(discover),
+                           network_interface="lo", gloo_timeout_seconds=30,
+                           blacklist_cooldown=(2, 4))
     cmd = horovodrun_command(launch, [
         sys.executable, str(example), "--run-id", "demo", "--run-dir", str(run_dir),
-        "--epochs", str(a.epochs), "--checkpoint-every", "100",
+        "--max-steps", str(a.max_steps), "--checkpoint-every", "100", "--commit-every", "5",
+        "--log-every", "20", "--corpus-mb", "1", "--dim", "64", "--layers", "2",
+        "--block", "64", "--batch-size", "16", "--data-num-workers", "1",
+        "--shard-windows", "500",
     ])
-    print(f"run folder:  {run_dir}\ncheckpoints: {run_dir / 'checkpoints'}\n"
-          f"hosts file:  {hosts} (edit it to add or remove workers)\n"
-          f"command:     {shlex.join(cmd)}", flush=True)
+    env = dict(os.environ)
+    if not a.interactive:
+        env["HVD_RESILIENT_FAULT"] = f"kill:rank=1:step={KILL_STEP}"
+    log = run_dir / "job.log"
+    print(f"run folder:  {run_dir}\nhosts file:  {hosts}"
+          + (" (edit it to add or remove workers)" if a.interactive else "")
+          + f"\njob output:  {log}\ncommand:     {shlex.join(cmd)}", flush=True)
     if a.dry_run:
         return 0
-    rc = subprocess.call(cmd)
-    print(f"exit code {rc}\nevents:      {run_dir / 'events.jsonl'}\n"
-          f"report:      hvd-resilient report {run_dir}\n"
-          f"checkpoints: hvd-resilient ckpt list {(run_dir / 'checkpoints').as_uri()}")
+    t_start = time.monotonic()
+    with open(log, "wb") as out:
+        job = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                               stdin=subprocess.DEVNULL, start_new_session=True)
+    tail = EventTail(run_dir / "events.jsonl")
+    try:
+        if not a.interactive:
+            _script(tail, job, hosts, a.np)
+        rc = job.wait()
+    except KeyboardInterrupt:
+        job.terminate()
+        rc = job.wait(timeout=60)
+    tail.poll()
+    _say(f"job finished with exit code {rc} after {time.monotonic() - t_start:.0f} s")
+    result = run_dir / "result.json"
+    if result.exists():
+        r = json.loads(result.read_text())
+        _say(f"final train loss {r['train_loss']:.3f}, held-out {r['held_out_loss']:.3f} "
+             f"nats/byte (unigram baseline {r['unigram_baseline']:.3f})")
+    print(flush=True)
+    from hvd_resilient.report.cli import main as report
+
+    report([str(run_dir)])
+    print(f"\nevents:      {run_dir / 'events.jsonl'}\n"
+          f"checkpoints: hvd-resilient ckpt list {(run_dir / 'checkpoints').as_uri()}\n"
+          f"again:       hvd-resilient report {run_dir}")
     return rc

@@ -47,6 +47,10 @@ Definitions (times are event timestamps, so they share the writers' clocks):
   "goodput to now" then counts the silence as lost: productive / (now - first event).
 * Young/Daly (see `checkpoints`): C = median `stall_seconds` of saved checkpoints (median
   `seconds` when no stall was measured), MTBF = wall / failures.
+* stragglers: every `straggler` event (written by the slow rank itself, so its `rank` is the
+  straggler's), joined with the `straggler_evicted` / `straggler_cleared` of the same process
+  (host and pid). An eviction is also a failure when a reset followed it: that is counted
+  above, like any other.
 """
 
 from __future__ import annotations
@@ -132,13 +136,21 @@ class Report:
     """For plots, times in seconds since the first event: world_size [[t, size]], throughput
     [[t0, t1, steps_per_s, samples_per_s | null, size]], lost [[t0, t1, category]] (failure
     categories only, merged), failures [[t, kind]], resets [[t, old, new]], checkpoints [[t,
-    step, "saved" | "failed"]]."""
+    step, "saved" | "failed"]], stragglers [[t, rank, ratio | null, evicted]]."""
     silent_s: float | None = None
     """Seconds without an event at `now`, when that is far longer than a healthy run is quiet."""
     usual_gap_s: float | None = None
     """Median seconds between rank-0 commits."""
     goodput_to_now: float | None = None
     """For a silent run: productive / (now - first event)."""
+    stragglers: list[dict[str, Any]] = field(default_factory=list)
+    """Every straggler report: at (seconds since the first event), step, rank, host, pid,
+    ratio, compute_s, others_s, evicted, cleared_at (see `stragglers_of`)."""
+    straggler_rule: dict[str, Any] | None = None
+    """The detection thresholds the run's config recorded (None: not recorded, or off)."""
+    step_times: dict[str, Any] | None = None
+    """From rank 0's `step_times` events (one per straggler window): windows, judged, the
+    highest ratio seen (and its rank and time), median compute and wait seconds per step."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -321,6 +333,70 @@ def memory_peaks(events: list[Event]) -> dict[str, int]:
     return peaks
 
 
+# -- stragglers ---------------------------------------------------------------------------------
+
+
+def stragglers_of(events: list[Event], t0: float) -> list[dict[str, Any]]:
+    """Each `straggler` report with what became of it (evicted, or keeping pace again)."""
+    out: list[dict[str, Any]] = []
+    latest: dict[tuple[Any, Any], dict[str, Any]] = {}
+    for e in events:
+        kind = e["event"]
+        who = (e.get("host"), e.get("pid"))
+        if kind == "straggler":
+            rec = {"at": e["ts"] - t0, "step": e["step"], "rank": e["rank"],
+                   "host": e.get("host"), "pid": e.get("pid"),
+                   "ratio": num(e, "ratio") if is_num(e.get("ratio")) else None,
+                   "compute_s": e.get("compute_seconds") if is_num(
+                       e.get("compute_seconds")) else None,
+                   "others_s": e.get("others_seconds") if is_num(
+                       e.get("others_seconds")) else None,
+                   "evicted": False, "cleared_at": None}
+            out.append(rec)
+            latest[who] = rec
+        elif kind == "straggler_evicted" and who in latest:
+            latest[who]["evicted"] = True
+        elif kind == "straggler_cleared" and who in latest:
+            latest[who]["cleared_at"] = e["ts"] - t0
+    return out
+
+
+def step_times_of(events: list[Event], t0: float) -> dict[str, Any] | None:
+    """How close the run came to a straggler report, and what a step cost, per window."""
+    windows = [e for e in events if e["event"] == "step_times" and e.get("rank") == 0]
+    if not windows:
+        return None
+    best: tuple[float, int, float] | None = None
+    computes: list[float] = []
+    waits: list[float] = []
+    judged = 0
+    for e in windows:
+        ratios, comp, wait = (e.get(k) if isinstance(e.get(k), list) else [] for k in
+                              ("ratios", "compute_seconds", "wait_seconds"))
+        computes += [float(x) for x in comp if is_num(x)]
+        waits += [float(x) for x in wait if is_num(x)]
+        if not e.get("judged"):
+            continue
+        judged += 1
+        for rank, x in enumerate(ratios):
+            if is_num(x) and (best is None or x > best[0]):
+                best = (float(x), rank, e["ts"] - t0)
+    return {"windows": len(windows), "judged": judged,
+            "max_ratio": best[0] if best else None, "max_ratio_rank": best[1] if best else None,
+            "max_ratio_at": best[2] if best else None,
+            "compute_s": statistics.median(computes) if computes else None,
+            "wait_s": statistics.median(waits) if waits else None}
+
+
+def straggler_rule(config: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The thresholds from the recorded config, when detection was on."""
+    obs = (config or {}).get("observability")
+    if not isinstance(obs, dict) or not obs.get("straggler_window_steps"):
+        return None
+    return {k: obs.get(f"straggler_{k}") for k in
+            ("window_steps", "ratio", "windows", "min_seconds", "evict")}
+
+
 # -- the whole report -------------------------------------------------------------------------
 
 
@@ -388,6 +464,7 @@ def analyze(raw: Iterable[Event], now: float | None = None,
             now - t1 > max(SILENT_MIN_S, SILENT_GAPS * (gap or 0.0))):
         silent = now - t1
     ws = world_size_series(launches, t0)
+    stragglers = stragglers_of(events, t0)
     series: dict[str, list[Any]] = {
         "world_size": ws,
         "throughput": segments,
@@ -399,6 +476,7 @@ def analyze(raw: Iterable[Event], now: float | None = None,
         "checkpoints": [[e["ts"] - t0, e["step"], e["event"][len("checkpoint_"):]]
                         for e in events if e["event"] in ("checkpoint_saved",
                                                           "checkpoint_failed")],
+        "stragglers": [[s["at"], s["rank"], s["ratio"], s["evicted"]] for s in stragglers],
     }
     return Report(
         run_id=next((lch.run_id for lch in launches if lch.run_id), None),
@@ -438,4 +516,6 @@ def analyze(raw: Iterable[Event], now: float | None = None,
                               mtbf_s),
         config=config, series=series, silent_s=silent, usual_gap_s=gap,
         goodput_to_now=productive / (now - t0) if silent and now is not None else None,
+        stragglers=stragglers, straggler_rule=straggler_rule(config),
+        step_times=step_times_of(events, t0),
     )

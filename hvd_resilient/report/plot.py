@@ -1,5 +1,5 @@
 """One PNG that tells a run's story: world size and throughput over time, failures as red lines,
-checkpoints as ticks, lost time shaded.
+checkpoints as ticks, lost time shaded, straggler reports as dashed orange lines.
 
 matplotlib is imported here only, lazily and with the Agg backend, so the report works on a
 head node without it and never needs a display.
@@ -20,6 +20,9 @@ SHADES = {
     "restart": ("#6c757d", 0.30, "down / restarting"),
     "startup": ("#adb5bd", 0.25, "start-up"),
 }
+
+
+STRAGGLER = "#e76f51"
 
 
 def available() -> bool:
@@ -127,6 +130,15 @@ def write_png(r: Report, path: str | Path) -> Path:
         ax_t.vlines(saved, 0, 0.06, transform=trans, color="#1d3557", lw=1.2)
         ax_t.plot(failed, [0.03] * len(failed), "x", transform=trans, color="#d62828", ms=7)
 
+        stragglers = s.get("stragglers", [])
+        for t, rank, ratio, evicted in stragglers:
+            ax_t.axvline(t / scale, color=STRAGGLER, lw=1.2, ls="--")
+            if len(stragglers) <= 12:
+                text = (f" rank {rank}" + (f" {ratio:.1f}x" if ratio else "")
+                        + (", evicted" if evicted else ""))
+                ax_t.annotate(text, (t / scale, 0.88), xycoords=("data", "axes fraction"),
+                              va="top", fontsize=8, color=STRAGGLER)
+
         _label_spans(ax_t, s["lost"], r.wall_s, scale)
         if len(r.failures) <= 12:
             for f in r.failures:
@@ -144,6 +156,8 @@ def write_png(r: Report, path: str | Path) -> Path:
         if failed:
             legend.append(Line2D([], [], color="#d62828", marker="x", ls="",
                                  label="checkpoint failed"))
+        if stragglers:
+            legend.append(Line2D([], [], color=STRAGGLER, ls="--", label="straggler reported"))
         if any(old and new for _t, old, new in s["resets"]):
             legend.append(Line2D([], [], color="#7b2cbf", ls=":", label="reset (resize)"))
         shown = {cat for _a, _b, cat in s["lost"]}

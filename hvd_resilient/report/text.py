@@ -95,6 +95,43 @@ def _failure_rows(failures: list[Failure]) -> list[str]:
     return rows
 
 
+def _straggler_rows(r: Report, most: int = 10) -> list[str]:
+    """Totals and the rule, what the windows showed, then one line per report (the newest
+    `most`); nothing when the log has no straggler report and no record of detection."""
+    rule = r.straggler_rule
+    how = (f"; rule {rule['ratio']}x for {rule['windows']} windows of {rule['window_steps']} "
+           f"steps{', eviction on' if rule.get('evict') else ''}" if rule else "")
+    st = r.step_times
+    seen = []
+    if st:
+        high = (f", highest ratio {st['max_ratio']:.2f}x (rank {st['max_ratio_rank']} at "
+                f"{dur(st['max_ratio_at'])})" if st["max_ratio"] is not None else "")
+        seen.append(_line("", f"windows: {st['judged']} of {st['windows']} judged{high}"))
+        seen.append(_line("", f"per step: compute {dur(st['compute_s'])}, waiting for peers "
+                              f"{dur(st['wait_s'])} (medians)"))
+    if not r.stragglers:
+        return [_line("stragglers", f"none reported{how}"), *seen] if rule or st else []
+    evicted = sum(s["evicted"] for s in r.stragglers)
+    ranks = sorted({s["rank"] for s in r.stragglers})
+    out = [_line("stragglers", (
+        f"{_plural(len(r.stragglers), 'report')} (rank{'s' if len(ranks) > 1 else ''} "
+        f"{', '.join(map(str, ranks))}), {evicted} evicted{how}")), *seen]
+    shown = r.stragglers[-most:]
+    if len(shown) < len(r.stragglers):
+        out.append(_line("", f"... {len(r.stragglers) - len(shown)} earlier reports"))
+    for s in shown:
+        ratio = "?" if s["ratio"] is None else f"{s['ratio']:.2f}x"
+        per_step = (f" ({s['compute_s']:.4f} s vs {s['others_s']:.4f} s)"
+                    if s["compute_s"] is not None and s["others_s"] is not None else "")
+        fate = ("evicted" if s["evicted"] else
+                f"kept pace again at {dur(s['cleared_at'])}" if s["cleared_at"] is not None
+                else "still slow at the end of the log")
+        out.append(_line("", (
+            f"  rank {s['rank']} on {s['host'] or '?'} (pid {s['pid'] or '?'}): {ratio} the "
+            f"others' compute{per_step} at {dur(s['at'])}, step {s['step']}; {fate}")))
+    return out
+
+
 def render(r: Report, source: str = "") -> str:
     """The whole text report for `r`; `source` names the file it came from."""
     out = [f"run {r.run_id or '?'}  {source}".rstrip()]
@@ -125,6 +162,7 @@ def render(r: Report, source: str = "") -> str:
             f"at {dur(rs['after_s'])} ({rs['reason']}): down {dur(rs['down_s'])}, start-up "
             f"{dur(rs['startup_s'])}, resumed from step {rs['from_step']}, "
             f"{rs['steps_lost']} steps redone")))
+    out += _straggler_rows(r)
     out.append(_line("throughput", _rate(r.step_rate, r.samples_per_s) + " (mean between commits)"))
     if len(r.throughput_by_size) > 1:
         out.append(_line("  by size", "; ".join(

@@ -7,11 +7,18 @@ permutation have been consumed. Every rank derives the same permutation from (se
 each step takes the next `world_size * batch_size` samples, split as evenly as possible across
 the ranks alive *at that step*. A reset just broadcasts the two integers, and no sample of an
 epoch is skipped or repeated whatever the sizes were.
+
+Streamed shards need another split (`ElasticShardSampler`): a rank should read whole shards,
+not every shard's every W-th sample, or each rank downloads everything. Both samplers share one
+interface (`next_slice`, `advance`, `epoch_done`, `set_epoch`, `position`, `state_dict`), so the
+trainer, the state handlers and the loader (`hvd_resilient.data.loader`) treat them alike.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -55,6 +62,11 @@ class ElasticDataSampler:
         self.epoch = epoch
         self.consumed = 0
 
+    def position(self) -> Hashable:
+        """Where the data order stands: equal on two samplers iff their next steps are equal
+        (the loader keys prefetched batches by it)."""
+        return (self.epoch, self.consumed)
+
     # -- order --------------------------------------------------------------------------
     def permutation(self) -> list[int]:
         if self._perm is None or self._perm_epoch != self.epoch:
@@ -89,3 +101,189 @@ class ElasticDataSampler:
     def steps_left(self, world_size: int, batch_size: int) -> int:
         per = world_size * batch_size
         return -(-self.remaining() // per)
+
+
+@dataclass
+class _ShardStep:
+    """One step of an `ElasticShardSampler` for every rank: the segments each rank reads and
+    the state the sampler is in afterwards."""
+
+    segments: list[list[tuple[int, int, int]]]
+    """Per rank: (shard, first offset, end offset) ranges, in reading order."""
+    global_count: int
+    after: dict[str, Any]
+
+
+class ElasticShardSampler:
+    """Exact-once order over samples stored in shards, each rank reading whole shards.
+
+    Each rank owns a *slot*: a cursor (shard, offset) into the shard it is reading. A step gives
+    slot r the next `batch_size` samples of its cursor; a cursor that runs out mid-batch is
+    refilled from the supply: first the partly read shards that lost their slot when the world
+    shrank (`parked`), then the next unopened shard of the epoch's shard order. Every rank knows
+    every shard's size, so every rank computes every slot's cursor and they all agree on the
+    state without exchanging a byte; a reset broadcasts rank 0's state like any other.
+
+    When the world grows, the new slots start on unopened (or parked) shards; when it shrinks,
+    the cursors of the slots that went away are parked and finished later by whoever needs
+    more. No sample of an epoch is read twice or skipped, whatever the sizes were; the order
+    depends on the sizes (unlike `ElasticDataSampler`), which exact-once does not need.
+
+    A sample's id is `start[shard] + k` (k: its place in the shard), so ids run over 0..N-1
+    like a map-style data set's indices; with `shuffle` the shard order and the order inside
+    each shard are permuted per (seed, epoch).
+    """
+
+    def __init__(self, shard_sizes: Sequence[int], *, shuffle: bool = True,
+                 seed: int = 0) -> None:
+        sizes = [int(n) for n in shard_sizes]
+        if not sizes or any(n < 0 for n in sizes) or sum(sizes) == 0:
+            raise ValueError(f"the shards hold no samples (sizes {sizes[:8]}...)")
+        self.shard_sizes = sizes
+        self.num_samples = sum(sizes)
+        self.starts = [0] * len(sizes)
+        for i in range(1, len(sizes)):
+            self.starts[i] = self.starts[i - 1] + sizes[i - 1]
+        self.shuffle = shuffle
+        self.seed = seed
+        self._perm_cache: dict[tuple[int, int], list[int]] = {}
+        self._step_cache: tuple[Hashable, _ShardStep] | None = None
+        self.set_epoch(0)
+
+    # -- state --------------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.consumed = 0
+        self.next_open = 0
+        self.slots: list[tuple[int, int] | None] = []
+        self.parked: list[tuple[int, int]] = []
+        self._order: list[int] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "consumed": self.consumed, "next_open": self.next_open,
+                "slots": [list(c) if c else None for c in self.slots],
+                "parked": [list(c) for c in self.parked],
+                "num_samples": self.num_samples, "num_shards": len(self.shard_sizes)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if "slots" not in sd:
+            raise ValueError("sampler state is not a shard sampler's; resume with the same "
+                             "kind of data set (streamed shards)")
+        if (int(sd["num_samples"]), int(sd["num_shards"])) != (self.num_samples,
+                                                               len(self.shard_sizes)):
+            raise ValueError(
+                f"sampler state is for {sd['num_samples']} samples in {sd['num_shards']} "
+                f"shards but the data set has {self.num_samples} in {len(self.shard_sizes)}; "
+                "resume with the same shards")
+        self.set_epoch(int(sd["epoch"]))
+        self.consumed = int(sd["consumed"])
+        self.next_open = int(sd["next_open"])
+        self.slots = [(int(c[0]), int(c[1])) if c else None for c in sd["slots"]]
+        self.parked = [(int(c[0]), int(c[1])) for c in sd["parked"]]
+
+    def position(self) -> Hashable:
+        return (self.epoch, self.consumed, self.next_open, tuple(self.slots),
+                tuple(self.parked))
+
+    # -- order --------------------------------------------------------------------------
+    def shard_order(self) -> list[int]:
+        if self._order is None:
+            n = len(self.shard_sizes)
+            if self.shuffle:
+                g = torch.Generator()
+                g.manual_seed(self.seed * 1_000_003 + self.epoch)
+                self._order = torch.randperm(n, generator=g).tolist()
+            else:
+                self._order = list(range(n))
+        return self._order
+
+    def _in_shard(self, shard: int) -> list[int] | None:
+        """The order of samples inside `shard` this epoch (None: as stored)."""
+        if not self.shuffle:
+            return None
+        key = (self.epoch, shard)
+        perm = self._perm_cache.get(key)
+        if perm is None:
+            if len(self._perm_cache) > 64:
+                self._perm_cache.clear()
+            g = torch.Generator()
+            g.manual_seed((self.seed * 1_000_003 + self.epoch) * 65_537 + shard)
+            perm = self._perm_cache[key] = torch.randperm(self.shard_sizes[shard],
+                                                          generator=g).tolist()
+        return perm
+
+    def remaining(self) -> int:
+        return self.num_samples - self.consumed
+
+    def epoch_done(self) -> bool:
+        return self.consumed >= self.num_samples
+
+    def _step(self, world_size: int, batch_size: int) -> _ShardStep:
+        key = (self.position(), world_size, batch_size)
+        if self._step_cache is not None and self._step_cache[0] == key:
+            return self._step_cache[1]
+        order = self.shard_order()
+        slots = list(self.slots)
+        parked = list(self.parked)
+        next_open = self.next_open
+        if len(slots) > world_size:  # the world shrank: finish those shards later
+            parked.extend(c for c in slots[world_size:] if c is not None)
+            del slots[world_size:]
+        slots.extend([None] * (world_size - len(slots)))
+        segments: list[list[tuple[int, int, int]]] = []
+        total = 0
+        for r in range(world_size):
+            mine: list[tuple[int, int, int]] = []
+            want = batch_size
+            while want > 0:
+                cur = slots[r]
+                if cur is None:
+                    if parked:
+                        cur = parked.pop(0)
+                    elif next_open < len(order):
+                        cur = (order[next_open], 0)
+                        next_open += 1
+                    else:
+                        break
+                shard, off = cur
+                take = min(want, self.shard_sizes[shard] - off)
+                if take > 0:
+                    mine.append((shard, off, off + take))
+                want -= take
+                off += take
+                slots[r] = (shard, off) if off < self.shard_sizes[shard] else None
+            total += batch_size - want
+            segments.append(mine)
+        after = {"consumed": self.consumed + total, "next_open": next_open,
+                 "slots": slots, "parked": parked}
+        step = _ShardStep(segments, total, after)
+        self._step_cache = (key, step)
+        return step
+
+    def next_slice(self, rank: int, world_size: int, batch_size: int) -> StepSlice:
+        """The sample ids `rank` trains on in the next step; does not advance (`advance`)."""
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world of size {world_size}")
+        step = self._step(world_size, batch_size)
+        ids: list[int] = []
+        for shard, a, b in step.segments[rank]:
+            perm = self._in_shard(shard)
+            base = self.starts[shard]
+            ids.extend(base + (perm[o] if perm is not None else o) for o in range(a, b))
+        return StepSlice(ids, step.global_count)
+
+    def shards_of(self, rank: int, world_size: int, batch_size: int) -> list[int]:
+        """The shards `rank` reads in the next step (what a reader fetches ahead)."""
+        return [s for s, _, _ in self._step(world_size, batch_size).segments[rank]]
+
+    def advance(self, global_count: int) -> None:
+        """Applies the step last planned by `next_slice` (every rank plans the same one)."""
+        if self._step_cache is None or self._step_cache[0][0] != self.position():
+            raise RuntimeError("advance() without next_slice() at this position")
+        step = self._step_cache[1]
+        if global_count != step.global_count:
+            raise ValueError(f"advance({global_count}) but the planned step takes "
+                             f"{step.global_count} samples")
+        a = step.after
+        self.consumed, self.next_open = a["consumed"], a["next_open"]
+        self.slots, self.parked = list(a["slots"]), list(a["parked"])

@@ -25,9 +25,11 @@ from hvd_resilient.backends import determinism
 from hvd_resilient.backends.threads import share_cores
 from hvd_resilient.checkpoint.host_buffers import pool as snapshot_pool
 from hvd_resilient.config import TrainConfig
+from hvd_resilient.data.loader import ElasticLoader, LoadedBatch
 from hvd_resilient.errors import PREEMPTED_EXIT_CODE
 from hvd_resilient.events import EventLog
-from hvd_resilient.state.sampler import ElasticDataSampler, StepSlice
+from hvd_resilient.observability import Observer
+from hvd_resilient.state.sampler import ElasticDataSampler
 from hvd_resilient.training import memory
 from hvd_resilient.training.durable import DurableCheckpoints
 from hvd_resilient.training.faults import ENV as FAULT_ENV
@@ -90,7 +92,12 @@ class Trainer:
         self.config = config
         self.scheduler = scheduler
         self.collate_fn = collate_fn
+        """Turns a list of samples into (inputs, targets); runs in the loader workers when
+        `config.data.num_workers` > 0."""
         self.on_step = on_step
+        self.batch: LoadedBatch | None = None
+        """The batch of the step in progress (or the last one): its sample ids, the step it
+        was loaded for; what `on_step` callbacks may record."""
         self.comm = comm
         """An mpi4py communicator to train on (default: COMM_WORLD under mpirun)."""
         self.backend_name = backend
@@ -108,7 +115,7 @@ class Trainer:
         events = EventLog(f"{cfg.run_dir}/events.jsonl", rank=backend.rank, size=backend.size)
         model, optimizer = backend.wrap(self.model, self.optimizer)
         self._wrapped = model
-        sampler = ElasticDataSampler(len(self.data), shuffle=cfg.shuffle, seed=cfg.seed)
+        sampler = _make_sampler(self.data, cfg)
         state = backend.make_state(
             model, optimizer, sampler=sampler, scheduler=self.scheduler, seed=cfg.seed,
             lr_scaling=cfg.lr_scaling, events=events, last_loss=math.nan,
@@ -130,6 +137,14 @@ class Trainer:
             floor_s=cfg.recovery.progress_floor_seconds, factor=cfg.recovery.progress_factor,
             first_step_s=cfg.recovery.first_step_seconds)
         watchdog.install(dog.start())
+        # Batches are loaded ahead of the step, in the sampler's order (hvd_resilient.data).
+        self._loader = ElasticLoader(self.data, sampler, batch_size=cfg.batch_size,
+                                     options=cfg.data, collate_fn=self.collate_fn,
+                                     events=events, seed=cfg.seed)
+        # Step timing, stragglers and the metrics endpoint (docs/observability.md).
+        obs = self._obs = Observer(cfg.observability, backend=backend, emit=events.emit,
+                                   events_path=events.path, run_id=cfg.run_id,
+                                   waiting=dog.waiting_for_peers)
 
         def train(state: Any) -> None:
             self._loop(state, durable, preempt)
@@ -141,6 +156,8 @@ class Trainer:
         finally:
             dog.stop()
             watchdog.install(None)
+            obs.close()
+            self._loader.close()
             durable.close(timeout=cfg.grace_seconds)
         events.emit("done", epoch=state.epoch, loss=state.last_loss,
                     params_sha256=state.params_sha256())
@@ -201,12 +218,13 @@ class Trainer:
                     durable.save()
                 continue
             rank, size = self.backend.rank(), self.backend.size()
-            sl = sampler.next_slice(rank, size, cfg.batch_size)
+            t_step = time.perf_counter()  # waiting for the batch is this rank's compute too
+            batch = self.batch = self._loader.next_batch(rank, size)
             self._faults.maybe_fire(rank, state.step)
-            loss = self._step(state.optimizer, sl, size)
-            sampler.advance(sl.global_count)
+            loss = self._step(state.optimizer, batch)
+            sampler.advance(batch.global_count)
             state.step += 1
-            state.samples += sl.global_count
+            state.samples += batch.global_count
             if loss is not None:
                 state.last_loss = loss
             if self.scheduler is not None:
@@ -214,6 +232,7 @@ class Trainer:
             if self.on_step is not None:
                 self.on_step(state, state.last_loss)
             self._dog.step()
+            self._obs.step_end(state.step, t_step, state.samples, size)
             steps_since_log += 1
             if state.step % cfg.log_every == 0:
                 now = time.time()
@@ -227,14 +246,14 @@ class Trainer:
             if durable.due():
                 durable.save()
 
-    def _step(self, optimizer: torch.optim.Optimizer, sl: StepSlice, size: int) -> float | None:
+    def _step(self, optimizer: torch.optim.Optimizer, batch: LoadedBatch) -> float | None:
         self._wrapped.train()
         optimizer.zero_grad()
-        # A rank with no samples in the epoch's last step still runs forward and backward
-        # (DDP and Horovod both need every rank in the allreduce), on one sample weighted 0.
-        indices = sl.indices or [0]
-        weight = len(sl.indices) * size / sl.global_count
-        inputs, targets = self.collate_fn([self.data[i] for i in indices])
+        # A rank with no samples in the epoch's last step (or only bad ones, skipped) still
+        # runs forward and backward (DDP and Horovod both need every rank in the allreduce), on
+        # a filler sample the loader loaded, weighted 0.
+        weight = batch.weight
+        inputs, targets = batch.data
         device = next(self._wrapped.parameters()).device
         if device.type != "cpu":
             inputs, targets = _to(inputs, device), _to(targets, device)
@@ -242,14 +261,17 @@ class Trainer:
         # Ranks may hold unequal shares of the last batch of an epoch; weighting by share
         # makes the averaged gradient the exact mean over the global batch.
         if self.backend.reduces_in_backward:  # DDP: backward waits for the allreduce
+            t_wait = time.perf_counter()
             with self._dog.waiting_for_peers():
                 (loss * weight).backward()
                 optimizer.step()
         else:  # Horovod: backward only starts the allreduces; step() waits for them
             (loss * weight).backward()
+            t_wait = time.perf_counter()
             with self._dog.waiting_for_peers():
                 optimizer.step()
-        return float(loss.detach()) if sl.indices else None
+        self._obs.waited(time.perf_counter() - t_wait)  # the rest of the step is compute
+        return float(loss.detach()) if batch.used else None
 
     def _stop_for_preemption(self, state: Any, durable: DurableCheckpoints) -> None:
         t0 = time.time()
@@ -263,6 +285,14 @@ class Trainer:
             logger.warning("stopping on a termination signal after a final checkpoint at step %d",
                            state.step)
         raise Preempted()
+
+
+def _make_sampler(data: Any, cfg: TrainConfig) -> Any:
+    """Streamed shards bring their own sampler (whole shards per rank); anything else with a
+    length gets the map-style one."""
+    if hasattr(data, "make_sampler"):
+        return data.make_sampler(shuffle=cfg.shuffle, seed=cfg.seed)
+    return ElasticDataSampler(len(data), shuffle=cfg.shuffle, seed=cfg.seed)
 
 
 def _durable_class(sharded: bool) -> type[DurableCheckpoints]:
