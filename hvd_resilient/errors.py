@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import NoReturn
 
 # Every exit code the project gives a meaning to, in one place: launchers, the supervisor and
 # the Horovod driver decide from them whether a restart can help.
@@ -20,6 +21,17 @@ FATAL_EXIT_CODE = 78
 """EX_CONFIG: a worker stopped on an error no restart can fix (a bad config, a checkpoint that
 does not fit the model). The Horovod driver stops the whole job when a worker exits with it,
 and the supervisor does not relaunch."""
+
+
+def exit_now(code: int) -> NoReturn:
+    """Ends this process at once with `code`, logs flushed: from a watcher thread, where
+    SystemExit would end only the thread, and where the main thread may be stuck in a
+    collective that never returns. A dead process is what every launcher already handles."""
+    import logging
+    import os
+
+    logging.shutdown()
+    os._exit(code)
 
 
 class HvdResilientError(Exception):

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from hvd_resilient.errors import HUNG_EXIT_CODE
+from hvd_resilient.errors import HUNG_EXIT_CODE, exit_now
 
 log = logging.getLogger("hvd_resilient.watchdog")
 
@@ -59,7 +59,7 @@ class ProgressWatchdog:
         self.floor_s = floor_s
         self.factor = factor
         self.poll_s = poll_s
-        self.on_hang = on_hang or _exit_hung
+        self.on_hang = on_hang or (lambda: exit_now(HUNG_EXIT_CODE))
         self.slowest_s = 0.0
         self._lock = threading.Lock()
         self._last = time.monotonic()
@@ -170,11 +170,6 @@ class ProgressWatchdog:
             log.error("cannot write the stacks of the hung rank to %s: %s", folder, e)
             faulthandler.dump_traceback(all_threads=True)  # stderr, at least
             return None
-
-
-def _exit_hung() -> None:
-    logging.shutdown()
-    os._exit(HUNG_EXIT_CODE)
 
 
 _current: ProgressWatchdog | None = None

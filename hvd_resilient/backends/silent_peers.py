@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hvd_resilient.backends import heartbeat
-from hvd_resilient.errors import HUNG_EXIT_CODE
+from hvd_resilient.errors import HUNG_EXIT_CODE, exit_now
 
 log = logging.getLogger("hvd_resilient.silent_peers")
 
@@ -101,8 +101,7 @@ class SilentPeers:
 
     @staticmethod
     def _exit() -> None:
-        logging.shutdown()
-        os._exit(HUNG_EXIT_CODE)
+        exit_now(HUNG_EXIT_CODE)
 
     def _self_frozen(self, gap_s: float) -> None:
         """No event: the others have moved on, and nothing of an evicted worker may land in

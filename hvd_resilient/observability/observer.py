@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hvd_resilient.config import ObservabilityOptions
-from hvd_resilient.errors import HUNG_EXIT_CODE
+from hvd_resilient.errors import HUNG_EXIT_CODE, exit_now
 from hvd_resilient.observability.stragglers import (
     RankTiming,
     StragglerDetector,
@@ -63,8 +63,7 @@ class LiveStats:
 
 
 def _exit_evicted() -> None:
-    logging.shutdown()
-    os._exit(HUNG_EXIT_CODE)  # as the watchdog: a dead process is what every launcher handles
+    exit_now(HUNG_EXIT_CODE)  # as the watchdog: a dead process is what every launcher handles
 
 
 class Observer:

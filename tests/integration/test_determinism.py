@@ -13,14 +13,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support.jobs import PYTHON, events, set_hosts, wait_for, write_discovery
+from tests.support.jobs import PYTHON, events, free_port, set_hosts, wait_for, write_discovery
 from tests.support.paths import ROOT
 
 HVD = str(Path(PYTHON).parent / "hvd-resilient")
@@ -126,12 +125,6 @@ def _ddp_first_and_second_step(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.timeout(120)
 def test_ddp_hook_reduces_the_first_step_like_every_later_one(tmp_path):
     """DDP's first step reduces buckets in parameter order, later ones in gradient-ready
@@ -139,7 +132,7 @@ def test_ddp_hook_reduces_the_first_step_like_every_later_one(tmp_path):
     import torch.multiprocessing as mp
 
     out = tmp_path / "ddp.json"
-    mp.spawn(_ddp_first_and_second_step, args=(_free_port(), str(out)), nprocs=3)
+    mp.spawn(_ddp_first_and_second_step, args=(free_port(), str(out)), nprocs=3)
     result = json.loads(out.read_text())
     assert result["True"]["same"], result
     assert result["close"], "the hook must average like DDP's own reduction"
@@ -159,7 +152,7 @@ def horovod_run(jobs, tmp_path: Path, run: Path, steps: int, env: dict[str, str]
 
 def torchrun_run(jobs, tmp_path: Path, run: Path, steps: int, env: dict[str, str]):
     cmd = [HVD, "run", "--backend", "torchrun", "--np", "3", "--rdzv-endpoint",
-           f"127.0.0.1:{_free_port()}", "--run-id", "d", "--run-dir", str(run),
+           f"127.0.0.1:{free_port()}", "--run-id", "d", "--run-dir", str(run),
            "--max-restarts", "0", "--", *SCRIPT, "--max-steps", str(steps)]
     return jobs.start(cmd, env=jobs.env(**env), name=run.name)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -18,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from hvd_resilient.observability.metrics import EventTally, MetricsEndpoint, RunCollector
 from hvd_resilient.observability.observer import LiveStats
 from hvd_resilient.observability.stragglers import RankTiming, Verdict
-from tests.support.jobs import PYTHON, horovodrun_elastic, wait_for, write_discovery
+from tests.support.jobs import PYTHON, free_port, horovodrun_elastic, wait_for, write_discovery
 from tests.support.paths import ROOT
 from tests.support.runs import assert_faults_fired
 
@@ -182,12 +181,6 @@ def dashboard_metrics() -> set[str]:
     return {m for e in exprs for m in re.findall(r"\bhvd_resilient_[a-z_]+", e)}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_real_job_is_scraped_through_a_failure(tmp_path: Path, jobs) -> None:
@@ -196,7 +189,7 @@ def test_a_real_job_is_scraped_through_a_failure(tmp_path: Path, jobs) -> None:
     run = tmp_path / "run"
     run.mkdir()
     _, discover = write_discovery(tmp_path, "localhost:3")
-    port = _free_port()
+    port = free_port()
     cmd = horovodrun_elastic(discover, 3, 2, 3, "--gloo-timeout-seconds", "120",
                              "--blacklist-cooldown-range", "600", "600")
     cmd[:1] = [PYTHON, "-m", "hvd_resilient.launch.horovod.driver"]

@@ -11,13 +11,12 @@ partitioned host is treated the same way: it cannot rejoin its job anyway.
 
 from __future__ import annotations
 
-import logging
 import os
-import socket
 import threading
 from collections.abc import Callable
 
-from hvd_resilient.errors import DRIVER_LOST_EXIT_CODE
+from hvd_resilient.backends.heartbeat import probe as reachable
+from hvd_resilient.errors import DRIVER_LOST_EXIT_CODE, exit_now
 from hvd_resilient.events import EventLog
 from hvd_resilient.log import get
 
@@ -39,14 +38,6 @@ def driver_address(env: dict[str, str] | os._Environ[str] = os.environ) -> tuple
     if not addr or not port:
         return None
     return addr, int(port)
-
-
-def reachable(address: tuple[str, int], timeout: float = 1.0) -> bool:
-    try:
-        socket.create_connection(address, timeout=timeout).close()
-        return True
-    except OSError:
-        return False
 
 
 def watch(address: tuple[str, int], on_lost: Callable[[], None], stop: threading.Event,
@@ -72,8 +63,7 @@ def start(events: EventLog) -> bool:
         events.emit("driver_lost", driver=f"{address[0]}:{address[1]}")
         log.error("the horovodrun driver at %s:%d is gone; exiting (code %d) so that no "
                   "orphaned worker trains on beside a relaunch", *address, DRIVER_LOST_EXIT_CODE)
-        logging.shutdown()
-        os._exit(DRIVER_LOST_EXIT_CODE)
+        exit_now(DRIVER_LOST_EXIT_CODE)
 
     threading.Thread(target=watch, args=(address, lost, threading.Event()), daemon=True,
                      name="hvd-resilient-driver-watch").start()
