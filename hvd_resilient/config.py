@@ -52,8 +52,30 @@ class StoreOptions:
     snapshot_reuse: bool = True
     """Reuse the snapshot buffers from one checkpoint to the next (false: give them back after
     every checkpoint, paying the first touch of fresh memory each time)."""
+    memory_tier: bool = True
+    """Keep every commit in host memory outside the process too (memory_dir), so a restart of
+    every worker resumes from the last commit instead of the last durable checkpoint
+    (docs/memory-tier.md). Off where memory_dir cannot be written, with an event."""
+    memory_dir: str = "/dev/shm/hvd_resilient"
+    """Where the memory tier lives on each host: a RAM file system (or a fast local disk)."""
+    memory_max_bytes: int = 0
+    """Cap on the memory tier of each host, all runs together (0: half of memory_dir's file
+    system); a commit that does not fit is kept in the process only, with an event."""
+    memory_max_age_hours: float = 24.0
+    """Segments of runs idle this long are removed by the next job on the host."""
+    memory_scope: str = ""
+    """Separates one history of a run from another in the memory tier (`hvd-resilient run
+    --fresh-start` sets it, so a fresh start never resumes from the old history's memory)."""
 
     def __post_init__(self) -> None:
+        _require(self.memory_max_bytes >= 0, "store_memory_max_bytes", ">= 0",
+                 self.memory_max_bytes)
+        _require(self.memory_max_age_hours > 0, "store_memory_max_age_hours", "> 0",
+                 self.memory_max_age_hours)
+        _require(self.memory_dir.startswith("/"), "store_memory_dir", "an absolute path",
+                 self.memory_dir)
+        _require(all(c.isalnum() or c in "._-" for c in self.memory_scope),
+                 "store_memory_scope", "letters, digits, . _ - only", self.memory_scope)
         if self.sse_kms_key_id and not self.sse:
             self.sse = "aws:kms"
         _require(self.sse in SSE_MODES, "store_sse", "AES256, aws:kms or empty", self.sse)

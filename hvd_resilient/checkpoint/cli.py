@@ -1,10 +1,12 @@
 """``hvd-resilient ckpt list|show|verify|prune|supersede URL``: look at and maintain durable
-checkpoints.
+checkpoints. ``list`` also shows the memory tier segments this host holds for runs whose
+``checkpoint_url`` is URL (the commits a restart on this host resumes from first).
 
 Exit codes: 0 fine, 1 ``verify`` found a bad checkpoint (or nothing a resume could load), 2
 usage or storage error, including a location without any checkpoint folder (``no checkpoints
-at URL``: a mistyped URL must not pass for an empty, healthy one). Errors are one line on
-stderr, never a traceback, and never show credentials.
+at URL``: a mistyped URL must not pass for an empty, healthy one; ``list`` exits 0 there when
+this host's memory tier holds segments for URL: a job may die before its first durable
+checkpoint). Errors are one line on stderr, never a traceback, and never show credentials.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import argparse
 import json
 import sys
 import time
-from typing import TextIO
+from typing import Any, TextIO
 
 from hvd_resilient.checkpoint.manager import (
     CheckpointError,
@@ -22,9 +24,12 @@ from hvd_resilient.checkpoint.manager import (
     default_supersede_tag,
 )
 from hvd_resilient.checkpoint.manifest import SHARDED, CheckpointInfo, step_dir
+from hvd_resilient.checkpoint.memory.listing import HeldRun, default_root, held_segments
 from hvd_resilient.checkpoint.stores import StoreError, redact_url
 
 HEADER = ("STEP", "EPOCH", "WORLD", "CREATED (UTC)", "SIZE", "FILES", "LAYOUT", "STATE")
+MEMORY_HEADER = ("STEP", "EPOCH", "WORLD", "CREATED (UTC)", "SIZE", "OWNER", "RUN", "STATE")
+NOT_REHASHED = "complete (not re-hashed)"
 
 
 def human_bytes(n: float) -> str:
@@ -49,9 +54,10 @@ def _row(info: CheckpointInfo, state: str) -> tuple[str, ...]:
             human_bytes(info.total_bytes), str(len(info.files)), _layout(info), state)
 
 
-def _table(rows: list[tuple[str, ...]], out: TextIO) -> None:
-    widths = [max(len(r[i]) for r in [HEADER, *rows]) for i in range(len(HEADER))]
-    for r in [HEADER, *rows]:
+def _table(rows: list[tuple[str, ...]], out: TextIO,
+           header: tuple[str, ...] = HEADER) -> None:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for r in [header, *rows]:
         out.write("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() + "\n")
 
 
@@ -87,11 +93,70 @@ def _pick(scan: ScanResult, step: int | None) -> list[CheckpointInfo]:
     return found
 
 
+def _memory_rows(held: dict[str, HeldRun]) -> list[tuple[str, ...]]:
+    rows: list[tuple[tuple[str, int, str], tuple[str, ...]]] = []
+    for key, run in held.items():
+        rows += [((key, i.step, i.owner),
+                  (str(i.step), str(i.epoch), str(i.world_size), _created(i.created),
+                   human_bytes(i.total_bytes), i.owner, key, NOT_REHASHED))
+                 for i in run.segments]
+        rows += [((key, b.step, b.owner),
+                  (str(b.step), "-", "-", "-", "-", b.owner, key,
+                   "bad: " + " ".join(b.reason.split())))
+                 for b in run.bad]
+    return [r for _, r in sorted(rows)]
+
+
+def _memory_json(held: dict[str, HeldRun]) -> list[dict[str, Any]]:
+    docs: list[dict[str, Any]] = []
+    for key, run in sorted(held.items()):
+        docs += [{"run": key, "owner": i.owner, "step": i.step, "epoch": i.epoch,
+                  "world_size": i.world_size, "created": i.created, "bytes": i.total_bytes,
+                  "host": i.host, "state": NOT_REHASHED} for i in run.segments]
+        docs += [{"run": key, "owner": b.owner, "step": b.step, "state": "bad",
+                  "reason": b.reason} for b in run.bad]
+    return sorted(docs, key=lambda d: (d["run"], d["step"], d["owner"]))
+
+
+def _durable_json(scan: ScanResult) -> list[dict[str, Any]]:
+    docs: list[dict[str, Any]] = [
+        {"step": i.step, "epoch": i.epoch, "world_size": i.world_size, "created": i.created,
+         "bytes": i.total_bytes, "files": len(i.files), "layout": _layout(i),
+         "state": NOT_REHASHED} for i in scan.checkpoints]
+    docs += [{"step": s, "files": len(k), "state": "partial (no manifest)"}
+             for s, k in scan.partial.items()]
+    docs += [{"step": s, "state": "invalid manifest", "reason": r}
+             for s, r in scan.invalid.items()]
+    return sorted(docs, key=lambda d: d["step"])
+
+
 def _cmd_list(mgr: CheckpointManager, args: argparse.Namespace, out: TextIO) -> int:
-    scan = _scan(mgr)
-    rows = [(i.step, _row(i, "complete (not re-hashed)")) for i in scan.checkpoints]
-    rows += _other_rows(scan)
-    _table([r for _, r in sorted(rows)], out)
+    """Durable checkpoints, then this host's memory tier segments for the same location
+    (the URL as given and as the store spells it: a path is also its file:// URL)."""
+    root = args.memory_dir or default_root()
+    held = held_segments(dict.fromkeys([args.url, mgr.url]), root)
+    try:
+        scan: ScanResult | None = _scan(mgr)
+    except NoCheckpointsError:
+        if not held:
+            raise
+        scan = None  # died before its first durable checkpoint: the memory tier is all
+    if args.json:
+        doc = {"url": redact_url(mgr.url), "checkpoints": _durable_json(scan) if scan else [],
+               "memory_dir": root, "memory": _memory_json(held)}
+        out.write(json.dumps(doc) + "\n")
+        return 0
+    if scan is None:
+        out.write(f"no durable checkpoints at {redact_url(mgr.url)}\n")
+    else:
+        rows = [(i.step, _row(i, NOT_REHASHED)) for i in scan.checkpoints]
+        rows += _other_rows(scan)
+        _table([r for _, r in sorted(rows)], out)
+    if held:
+        out.write(f"\nmemory tier on this host ({root}):\n")
+        _table(_memory_rows(held), out, MEMORY_HEADER)
+    else:
+        out.write("\nmemory tier on this host: none for this location\n")
     return 0
 
 
@@ -174,7 +239,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True)
     helps = {
-        "list": "table of checkpoints (manifests only, fast)",
+        "list": "table of checkpoints, and of the memory tier segments this host holds "
+                "for URL (manifests only, fast)",
         "show": "one checkpoint's manifest (default: the newest)",
         "verify": "re-download and re-hash every file; exit 1 if any is bad",
         "prune": "apply retention: keep the newest K and every M-th step; abort stale "
@@ -186,6 +252,13 @@ def _parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=text, description=text)
         sp.add_argument("url", help="file:///path, s3://bucket/prefix or a path")
         sp.add_argument("--endpoint-url", help="S3-compatible endpoint (default: AWS chain)")
+        if name == "list":
+            sp.add_argument("--memory-dir", metavar="DIR",
+                            help="this host's memory tier (default: "
+                                 "$HVD_RESILIENT_STORE_MEMORY_DIR, else "
+                                 "/dev/shm/hvd_resilient)")
+            sp.add_argument("--json", action="store_true",
+                            help="print one JSON object instead of tables")
         if name in ("show", "verify"):
             sp.add_argument("--step", type=int, help="only this step")
         if name == "prune":

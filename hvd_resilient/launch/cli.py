@@ -360,6 +360,9 @@ def main(argv: list[str]) -> int:
         "HVD_RESILIENT_RUN_ID": opts["run_id"], "HVD_RESILIENT_RUN_DIR": opts["run_dir"],
         "HVD_RESILIENT_CHECKPOINT_URL": opts["checkpoint"], SUPERVISED_ENV: "1",
     })
+    if opts["fresh_start"]:  # never resume from the old history's memory tier either
+        env["HVD_RESILIENT_STORE_MEMORY_SCOPE"] = time.strftime("fresh%Y%m%dT%H%M%S",
+                                                                time.gmtime())
     if opts["backend"] == "horovod" and not opts["slot_hosts"]:
         env["HVD_RESILIENT_SLOT_HOSTS"] = "0"  # read by the driver (launch/horovod/driver.py)
     forwarded = sorted(k for k in env if k.startswith(FORWARDED_PREFIXES))

@@ -23,7 +23,7 @@ from typing import Any
 from hvd_resilient.backends.base import Backend
 from hvd_resilient.checkpoint.host_buffers import pool
 from hvd_resilient.checkpoint.manager import CheckpointManager
-from hvd_resilient.checkpoint.manifest import REPLICATED, CheckpointInfo
+from hvd_resilient.checkpoint.manifest import REPLICATED
 from hvd_resilient.checkpoint.serialize import check_state_dict
 from hvd_resilient.checkpoint.split import (
     LEGACY_FILE,
@@ -41,6 +41,7 @@ from hvd_resilient.log import get
 from hvd_resilient.state import rng
 from hvd_resilient.state.core import StateCore
 from hvd_resilient.training.faults import FaultPlan
+from hvd_resilient.training.memory_commits import MemoryCommits
 
 log = get("durable")
 STATE_FILE = LEGACY_FILE
@@ -67,8 +68,11 @@ class DurableCheckpoints:
     """
 
     def __init__(self, config: TrainConfig, state: StateCore, events: EventLog,
-                 backend: Backend, *, faults: FaultPlan | None = None) -> None:
+                 backend: Backend, *, faults: FaultPlan | None = None,
+                 memory: MemoryCommits | None = None) -> None:
         self.config = config
+        self.memory = memory
+        """The memory tier, looked at first on resume (None: durable checkpoints only)."""
         self.backend = backend
         self.state = state
         self.events = events
@@ -189,9 +193,31 @@ class DurableCheckpoints:
 
     # -- resume ----------------------------------------------------------------------------
     def resume(self) -> int | None:
-        """Loads the newest verified checkpoint into the state (rank 0 under Horovod, every
-        rank under torchrun). No collective here: under Horovod a worker that joins later runs
-        this code too, while the others wait in sync."""
+        """Loads the newest commit into the state: from the memory tier when it holds one at
+        least as new as the newest durable checkpoint, else the newest verified durable one
+        (rank 0 under Horovod, every rank under torchrun: there the memory tier's choice is a
+        collective, and nothing before it may raise)."""
+        floor = self._durable_floor()
+        found = self.memory.newest(floor) if self.memory is not None else None
+        if found is not None:
+            i = found.info
+            self._apply(found.files, i.step, i.world_size)
+            return self._resumed(found.source, i.world_size, REPLICATED, published=floor,
+                                 fetched=found.fetched)
+        return self._resume_durable()
+
+    def _durable_floor(self) -> int:
+        """The newest step with a durable manifest (-1: none, or the store unreachable: then
+        a memory copy is all there is)."""
+        try:
+            steps = self._published_steps()
+        except (HvdResilientError, StoreError, OSError):
+            return -1
+        return steps[-1] if steps else -1
+
+    def _resume_durable(self) -> int | None:
+        """The newest verified durable checkpoint. No collective here: under Horovod a worker
+        that joins later runs this code too, while the others wait in sync."""
         found = self._load_latest()
         if found is None:
             return self._start_from_scratch()
@@ -201,6 +227,12 @@ class DurableCheckpoints:
                 f"checkpoint {redact_url(self.config.checkpoint_url)} step {info.step} is "
                 f"{info.layout} (written with fsdp at world size {info.world_size}); resume it "
                 "with --fsdp under torchrun, or start a new run id")
+        self._apply(files, info.step, info.world_size)
+        self._last_save_time = info.created
+        return self._resumed("durable", info.world_size, info.layout, published=info.step)
+
+    def _apply(self, files: Any, step: int, world_size: int) -> None:
+        """Loads checkpoint files into the state, or one line saying why they do not fit."""
         try:  # a manifest that verifies can still hold what this model cannot take
             sd = join_state(files)
             check_state_dict(self.state.model_state(), sd["model"])
@@ -209,22 +241,25 @@ class DurableCheckpoints:
             lines = str(e).strip().splitlines() or [type(e).__name__]
             more = f" (+{len(lines) - 1} more lines)" if len(lines) > 1 else ""
             raise ResumeError(
-                f"checkpoint {redact_url(self.config.checkpoint_url)} step {info.step} cannot "
+                f"checkpoint {redact_url(self.config.checkpoint_url)} step {step} cannot "
                 f"be loaded into this model: {lines[0].strip()}{more}") from None
-        return self._resumed(info)
 
-    def _resumed(self, info: CheckpointInfo) -> int:
-        """Bookkeeping once a checkpoint is in the state: the resume event and log line."""
-        self.state.ckpt_requested = self.state.ckpt_published = self.state.step
+    def _resumed(self, source: str, world_size: int, layout: str, *, published: int,
+                 fetched: list[int] | None = None) -> int:
+        """Bookkeeping once a checkpoint is in the state: the resume event and log line.
+        ``published`` is the newest durable step (a commit from memory is not durable)."""
+        self.state.ckpt_requested = self.state.ckpt_published = published
         save = getattr(self.state, "save", None)
         if save is not None:  # Horovod: the commit point the first sync spreads
             save()
-        self._last_save_time = info.created
         if self.backend.rank() == 0:
+            extra = {"fetched_by": fetched} if fetched else {}
             self.events.emit("resume", from_step=self.state.step, epoch=self.state.epoch,
-                             saved_world_size=info.world_size, layout=info.layout)
-        log.info("resumed from checkpoint step %d (epoch %d, saved at world size %d)",
-                 self.state.step, self.state.epoch, info.world_size)
+                             saved_world_size=world_size, layout=layout, source=source,
+                             durable_step=published, **extra)
+        log.info("resumed from %s step %d (epoch %d, saved at world size %d)",
+                 "checkpoint" if source == "durable" else f"the {source} copy of commit",
+                 self.state.step, self.state.epoch, world_size)
         return self.state.step
 
     # -- save --------------------------------------------------------------------------------

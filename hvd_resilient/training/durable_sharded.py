@@ -57,10 +57,10 @@ class ShardedDurableCheckpoints(DurableCheckpoints):
         self._warm_started = True
 
     def __init__(self, config: TrainConfig, state: StateCore, events: EventLog,
-                 backend: Backend, *, faults: Any = None) -> None:
+                 backend: Backend, *, faults: Any = None, memory: Any = None) -> None:
         import torch.distributed as dist
 
-        super().__init__(config, state, events, backend, faults=faults)
+        super().__init__(config, state, events, backend, faults=faults, memory=None)
         # Created here, on every rank at the same point (creating a group is a collective).
         group = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT)
         self.saver = ShardedCheckpointer(
@@ -81,7 +81,8 @@ class ShardedDurableCheckpoints(DurableCheckpoints):
         info, files = found
         fsdp.apply_sharded_state(self.state.model, self.state.optimizer, target)
         self.state.load_run_state(from_bytes(files[RUN_STATE_FILE]))
-        return self._resumed(info)
+        self._last_save_time = info.created
+        return self._resumed("durable", info.world_size, info.layout, published=info.step)
 
     def save(self, *, blocking: bool = False) -> None:
         """Collective: every rank must call it at the same step."""

@@ -34,6 +34,7 @@ from hvd_resilient.training import memory
 from hvd_resilient.training.durable import DurableCheckpoints
 from hvd_resilient.training.faults import ENV as FAULT_ENV
 from hvd_resilient.training.faults import FaultPlan
+from hvd_resilient.training.memory_commits import MemoryCommits
 from hvd_resilient.watchdog import ProgressWatchdog
 
 logger = log.get("trainer")
@@ -121,7 +122,9 @@ class Trainer:
             lr_scaling=cfg.lr_scaling, events=events, last_loss=math.nan,
         )
         self._faults = FaultPlan.parse(os.environ.get(FAULT_ENV), cfg.run_dir)
-        durable = _durable_class(cfg.fsdp)(cfg, state, events, backend, faults=self._faults)
+        commits = MemoryCommits(cfg, state, events, backend)
+        durable = _durable_class(cfg.fsdp)(cfg, state, events, backend, faults=self._faults,
+                                           memory=commits)
         rank0 = backend.rank() == 0
         events.emit("start", pid=os.getpid(), host=socket.gethostname(), backend=backend.name,
                     run_id=cfg.run_id, config=cfg.to_dict() if rank0 else None)
@@ -153,12 +156,17 @@ class Trainer:
 
         try:
             backend.run(train, state)
+            commits.discard()  # the run is over: nothing will resume from its commits
+        except Preempted:
+            commits.discard()  # the final durable checkpoint holds the same step
+            raise
         finally:
             dog.stop()
             watchdog.install(None)
             obs.close()
             self._loader.close()
             durable.close(timeout=cfg.grace_seconds)
+            commits.close()
         events.emit("done", epoch=state.epoch, loss=state.last_loss,
                     params_sha256=state.params_sha256())
         if rank0:

@@ -12,7 +12,7 @@ import pytest
 from hvd_resilient.errors import FATAL_EXIT_CODE
 from tests.support.jobs import PYTHON, events, wait_for
 from tests.support.paths import ROOT
-from tests.support.runs import assert_faults_fired
+from tests.support.runs import assert_faults_fired, resumed_from_last_commit
 
 HVD = str(Path(PYTHON).parent / "hvd-resilient")
 DIGITS = str(ROOT / "examples" / "digits.py")
@@ -194,8 +194,8 @@ def test_mpi_rank_killed_supervisor_restarts_and_ends_bit_identical(tmp_path, jo
     assert_faults_fired(run, 1)
     evs = events(run / "events.jsonl")
     assert [e["attempt"] for e in evs if e["event"] == "restart"] == [1]
-    (resume,) = [e for e in evs if e["event"] == "resume"]
-    assert resume["from_step"] == 60, "should resume from the last checkpoint before step 70"
+    resume = resumed_from_last_commit(evs)  # not the durable checkpoint of step 60
+    assert 70 - resume["from_step"] <= 5, "more than one commit interval redone"
     digests = {e["params_sha256"] for e in evs if e["event"] == "done"}
     ref_digests = {e["params_sha256"] for e in events(ref / "events.jsonl")
                    if e["event"] == "done"}
@@ -260,8 +260,8 @@ def test_whole_job_sigkilled_then_run_again_resumes_from_s3(backend, tmp_path, j
     job = jobs.start(cmd, name="second")
     assert job.wait(300) == 0, job.output()[-3000:]
     evs = events(run / "events.jsonl")
-    resumes = {e["from_step"] for e in evs if e["event"] == "resume"}
-    assert resumes == {last_saved}, (resumes, last_saved)
+    resume = resumed_from_last_commit(evs)  # every process died; the host's memory did not
+    assert resume["from_step"] >= last_saved
     done = {e["params_sha256"] for e in evs if e["event"] == "done"}
     assert len(done) == 1 and len([e for e in evs if e["event"] == "done"]) == 2
 

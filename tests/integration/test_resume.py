@@ -1,5 +1,6 @@
-"""A job killed outright (SIGKILL to every process) resumes from its newest durable checkpoint,
-and with the same world size and seed ends bit-identical to a run that was never killed."""
+"""A job killed outright (SIGKILL to every process) resumes from its newest durable checkpoint
+(the memory tier off: tests/integration/test_memory_tier.py covers the resume from memory), and
+with the same world size and seed ends bit-identical to a run that was never killed."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ HOROVODRUN = str(Path(PYTHON).parent / "horovodrun")
 
 
 def digits_cmd(run: Path, url: str | None = None) -> list[str]:
+    """The durable path: the memory tier is off, so the restart reads the store."""
     cmd = [HOROVODRUN, "-np", "2", "--gloo", "--network-interface", "lo", PYTHON, DIGITS,
            "--run-id", "r", "--run-dir", str(run), "--epochs", "25", "--commit-every", "5",
-           "--checkpoint-every", "20", "--seed", "3"]
+           "--checkpoint-every", "20", "--seed", "3", "--no-store-memory-tier"]
     return cmd + (["--checkpoint-url", url] if url else [])
 
 

@@ -21,7 +21,12 @@ from tests.support.jobs import (
     write_discovery,
 )
 from tests.support.paths import ROOT, SCRIPTS
-from tests.support.runs import assert_faults_fired, final_digests, sizes_seen
+from tests.support.runs import (
+    assert_faults_fired,
+    final_digests,
+    resumed_from_last_commit,
+    sizes_seen,
+)
 
 DIGITS = str(ROOT / "examples" / "digits.py")
 JOB = str(SCRIPTS / "elastic_job.py")
@@ -95,7 +100,7 @@ COMMON = ["--epochs", "6", "--commit-every", "5", "--checkpoint-every", "20", "-
 
 def _restart_job(tmp_path, jobs, backend: str, fault: str, *train: str):
     """`hvd-resilient run` with two workers on this machine; a torchrun restart or a
-    supervisor relaunch brings the job back from its durable checkpoint."""
+    supervisor relaunch brings the job back from its last commit (memory tier)."""
     run = tmp_path / "run"
     extra = (["--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
              if backend == "torchrun" else [])
@@ -105,8 +110,8 @@ def _restart_job(tmp_path, jobs, backend: str, fault: str, *train: str):
     assert job.wait(300) == 0, job.output()[-3000:]
     assert_faults_fired(run, 1)
     evs = events(run / "events.jsonl")
-    (resume,) = [e for e in evs if e["event"] == "resume"]
-    assert resume["from_step"] == 60, "should resume from the last checkpoint before step 70"
+    resume = resumed_from_last_commit(evs)  # not the durable checkpoint of step 60
+    assert 70 - resume["from_step"] <= 5
     assert len({e["params_sha256"] for e in evs if e["event"] == "done"}) == 1
     return run, job, evs
 

@@ -36,6 +36,7 @@ from hvd_resilient.events import EventLog
 from hvd_resilient.state.sampler import ElasticDataSampler
 from hvd_resilient.training.durable import DurableCheckpoints
 from hvd_resilient.training.faults import ENV, FaultPlan
+from hvd_resilient.training.memory_commits import MemoryCommits
 
 N_SAMPLES = 2048
 BATCH = 16
@@ -58,6 +59,8 @@ def main() -> int:
     p.add_argument("--allreduce-every", type=int, default=10)
     p.add_argument("--heartbeat-timeout", type=float, default=1.5,
                    help="seconds of silence before a peer is evicted (0: heartbeats off)")
+    p.add_argument("--memory-tier", action="store_true",
+                   help="with --checkpoint-url: commits also go to the memory tier")
     a = p.parse_args()
     expected = [int(x) for x in a.expect_sizes.split(",") if x]
 
@@ -81,12 +84,16 @@ def main() -> int:
                          events=events, sizes_seen=())
     samples_fd = os.open(os.path.join(a.run_dir, "samples.jsonl"),
                          os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    durable = None
+    durable = commits = None
     if a.checkpoint_url:
-        durable = DurableCheckpoints(
-            TrainConfig(run_id="chaos", run_dir=a.run_dir, checkpoint_url=a.checkpoint_url,
-                        checkpoint_every=a.checkpoint_every, keep_last=100),
-            state, events, HorovodBackend())
+        # settings from the environment too (the memory tier's folder, as a test sets it)
+        env = {"HVD_RESILIENT_RUN_ID": "chaos", **os.environ,
+               "HVD_RESILIENT_RUN_DIR": a.run_dir, "HVD_RESILIENT_CHECKPOINT_URL": a.checkpoint_url}
+        cfg = TrainConfig.from_sources(env=env, checkpoint_every=a.checkpoint_every,
+                                       keep_last=100)
+        if a.memory_tier:  # every commit also in this host's memory, for a full restart
+            commits = MemoryCommits(cfg, state, events, HorovodBackend())
+        durable = DurableCheckpoints(cfg, state, events, HorovodBackend(), memory=commits)
         # Rank 0 of a fresh start (new workers join at the end, so never a late joiner): the
         # others wait in the first sync, which spreads what it loaded.
         if hvd.rank() == 0:
@@ -143,6 +150,9 @@ def main() -> int:
     train(state)
     if durable is not None:
         durable.close(timeout=120)
+    if commits is not None:
+        commits.discard()  # the run is over
+        commits.close()
     events.emit("done", params_sha256=state.params_sha256(), steps=state.step,
                 sizes=[s for s, _ in state.sizes_seen])
     return 0 if state.step < a.max_steps else 3

@@ -43,3 +43,15 @@ def assert_faults_fired(run: Path, n: int) -> list[float]:
     fired = sorted(p.name for p in run.glob(".fault-*"))
     assert len(fired) == n, f"expected {n} injected fault(s) to fire in {run}, got {fired}"
     return fault_times(run)
+
+
+def resumed_from_last_commit(evs: list[dict], source: str = "memory") -> dict:
+    """The one resume of a run: from the memory tier (or a peer's copy), at the newest commit
+    a memory_commit event reported before it: nothing but the steps since that commit redone."""
+    (resume,) = [e for e in evs if e["event"] == "resume"]
+    committed = [e["at_step"] for e in evs if e["event"] == "memory_commit"
+                 and e["ts"] < resume["ts"]]
+    assert committed, "no commit reached the memory tier before the restart"
+    assert resume.get("source") == source, resume
+    assert resume["from_step"] == max(committed), (resume, sorted(committed)[-3:])
+    return resume

@@ -1,0 +1,316 @@
+"""Every commit also in host memory outside the process, so that a restart of every worker
+(torchrun, mpirun, a relaunched horovodrun driver) loses at most one commit interval instead
+of everything since the last durable checkpoint.
+
+Which copies exist: the state of a data-parallel job is the same on every rank, so one rank
+per host (local rank 0) writes it to that host's memory tier at each commit; every host of a
+job of two or more hosts holds a full copy, and losing a whole host loses nothing another
+host does not hold. There is no replication traffic: a host's peer copy is the one its peers
+made themselves. A host that has none (a replacement, a host whose memory was cleared)
+fetches one from a peer at the restart (``checkpoint.memory.peers``).
+
+The random streams of every rank are gathered at each commit (a few KB a rank), because a
+bit-identical resume needs them all; it is the only collective this adds.
+
+Where a restart looks: every rank under torchrun (the ranks agree on the newest step any host
+holds, load it, and fall back together if any copy fails to verify); rank 0 alone under
+Horovod (its own host, no collective: a worker that joins later runs the same start), whose
+sync then spreads the state.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from hvd_resilient import log
+from hvd_resilient.backends.base import Backend
+from hvd_resilient.checkpoint.memory import SegmentDir, SegmentError, SegmentInfo, TierFull
+from hvd_resilient.checkpoint.memory.listing import url_digest
+from hvd_resilient.config import TrainConfig
+from hvd_resilient.events import EventLog
+from hvd_resilient.state import rng
+
+logger = log.get("memory")
+
+OWNER = "replicated"
+
+
+@dataclass
+class Found:
+    """A commit loaded from the memory tier, not yet applied to the state."""
+
+    info: SegmentInfo
+    files: dict[str, Any]
+    source: str
+    """memory (every rank read its own host's copy) or peer (some rank fetched another
+    host's)."""
+    fetched: list[int] = field(default_factory=list)
+    """Ranks that fetched a peer's copy."""
+
+
+class MemoryCommits:
+    """The memory tier of one training process; every rank builds one (a no-op where the
+    tier is off), and the trainer hands it to :class:`DurableCheckpoints`."""
+
+    def __init__(self, config: TrainConfig, state: Any, events: EventLog,
+                 backend: Backend) -> None:
+        self.config, self.state, self.events, self.backend = config, state, events, backend
+        opts = config.store
+        self.enabled = opts.memory_tier
+        self.writer = False
+        """This process writes its host's copy: it holds the host's writer lock (one writer
+        per host whatever the launcher calls local ranks; the next process takes over when
+        it dies)."""
+        self._lock_fd = -1
+        self._jobs: queue.Queue[Any] = queue.Queue(maxsize=1)
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread: threading.Thread | None = None
+        self._full = False
+        self.server: Any = None
+        self.held: list[int] = []
+        """Steps this host holds (newest first), as found at start."""
+        self.dir = SegmentDir(opts.memory_dir, self.run_key, OWNER,
+                              max_bytes=opts.memory_max_bytes)
+        if not self.enabled:
+            return
+        reason = _unusable(opts.memory_dir)
+        if reason:
+            self._off(reason)
+            return
+        if config.fsdp:
+            self._off("sharded (fsdp) state is kept by the durable checkpoints only")
+            return
+        if self._lead() and backend.resume_on_every_rank:
+            self._serve()
+        state.on_commit(self._on_commit)
+
+    @property
+    def run_key(self) -> str:
+        """The run's folder: its id, a digest of its checkpoint location (two runs of one id
+        over different stores are different histories) and the scope."""
+        cfg = self.config
+        where = url_digest(cfg.checkpoint_url)
+        scope = cfg.store.memory_scope
+        return f"{cfg.run_id}.{where}" + (f".{scope}" if scope else "")
+
+    def _lead(self) -> bool:
+        """Takes the host's writer lock if nobody holds it; True when this process does."""
+        if self.writer:
+            return True
+        import fcntl
+
+        if self._lock_fd < 0:
+            os.makedirs(self.dir.path, exist_ok=True)
+            self._lock_fd = os.open(os.path.join(self.dir.path, ".writer.lock"),
+                                    os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False
+        self.writer = True
+        self.dir.sweep()
+        self._sweep_others()
+        if not self.config.resume:  # --no-resume: a new history must not resume an old one
+            self.dir.clear()
+        return True
+
+    def _off(self, reason: str) -> None:
+        self.enabled = self.writer = False
+        if self.backend.rank() == 0:
+            self.events.emit("memory_tier", enabled=False, reason=reason)
+            logger.warning("memory tier off: %s (a restart of every worker resumes from the "
+                           "durable checkpoint)", reason)
+
+    # -- writing -------------------------------------------------------------------------------
+    def _on_commit(self) -> None:
+        """Every rank at each commit (a collective: the streams of every rank)."""
+        streams = self.backend.allgather_object(rng.capture())
+        step = self.state.step
+        if not self._lead() or step in self.dir.steps()[:1]:
+            return
+        self._idle.wait()  # the previous segment's checksums (rarely still running)
+        meta = {"epoch": self.state.epoch, "world_size": self.backend.size()}
+        try:
+            pending = self.dir.begin(step, self.state.checkpoint_state(streams), meta)
+        except TierFull as e:
+            if not self._full:
+                self._full = True
+                self.events.emit("memory_tier_full", reason=str(e))
+                logger.warning("memory tier full: %s; this commit is kept in the process only",
+                               e)
+            return
+        except OSError as e:
+            self.events.emit("memory_commit_failed", error=f"{type(e).__name__}: {e}")
+            return
+        self._full = False
+        self._idle.clear()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._finish_loop, name="memory-tier",
+                                            daemon=True)
+            self._thread.start()
+        self._jobs.put(pending)
+
+    def _finish_loop(self) -> None:
+        while True:
+            pending = self._jobs.get()
+            if pending is None:
+                return
+            t0 = time.perf_counter()
+            try:
+                info = self.dir.finish(pending)
+                self.events.emit("memory_commit", at_step=info.step, bytes=info.total_bytes,
+                                 stall_seconds=round(pending.stall_seconds, 4),
+                                 seconds=round(time.perf_counter() - t0, 4))
+            except Exception as e:
+                self.events.emit("memory_commit_failed", at_step=pending.step,
+                                 error=f"{type(e).__name__}: {e}")
+            finally:
+                self._idle.set()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Waits for the segment in progress (tests, and before the run's segments go)."""
+        return self._idle.wait(timeout)
+
+    # -- reading -------------------------------------------------------------------------------
+    def newest(self, durable_step: int) -> Found | None:
+        """The newest commit at or past ``durable_step`` that verifies, or None (then the
+        durable checkpoint it is). A collective where every rank resumes (torchrun)."""
+        if not self.enabled:
+            return None
+        if self.backend.resume_on_every_rank:
+            return self._agreed(durable_step)
+        for step in self.dir.steps():
+            if step < durable_step:
+                break
+            found = self._read_local(step)
+            if found is not None:
+                return found
+        return None
+
+    def _read_local(self, step: int) -> Found | None:
+        try:
+            info, files = self.dir.read(step)
+            return Found(info, files, "memory")
+        except SegmentError as e:
+            self._skipped(step, str(e))
+            return None
+
+    def _skipped(self, step: int, reason: str) -> None:
+        self.events.emit("checkpoint_skipped", tier="memory", at_step=step, reason=reason)
+        logger.warning("memory copy of step %d skipped: %s", step, reason)
+
+    def _agreed(self, durable_step: int) -> Found | None:
+        """Every rank: the hosts say what they hold, every rank loads the newest step from its
+        own host or a peer, and all fall back together if any rank could not."""
+        from hvd_resilient.checkpoint.memory.peers import fetch
+
+        mine = {"host": socket.gethostname(), "steps": self.dir.steps(),
+                "server": self.server.address if self.server else None,
+                "durable": durable_step}
+        everyone = self.backend.allgather_object(mine)
+        floor = max(p["durable"] for p in everyone)
+        candidates = sorted({s for p in everyone for s in p["steps"] if s >= floor},
+                            reverse=True)
+        for step in candidates[:2]:
+            found: Found | None = None
+            if step in mine["steps"]:
+                found = self._read_local(step)
+            for peer in everyone:
+                if found is not None:
+                    break
+                if peer["server"] is None or step not in peer["steps"]:
+                    continue
+                try:
+                    info, files = fetch(tuple(peer["server"]), self.run_key, OWNER, step)
+                    found = Found(info, files, "peer")
+                except SegmentError as e:
+                    self._skipped(step, f"from {peer['host']}: {e}")
+            sources = self.backend.allgather_object(found.source if found else None)
+            if found is not None and None not in sources:
+                found.fetched = [r for r, src in enumerate(sources) if src == "peer"]
+                found.source = "peer" if found.fetched else "memory"
+                return found
+        return None
+
+    # -- lifetime ------------------------------------------------------------------------------
+    def _serve(self) -> None:
+        from hvd_resilient.backends.silent_peers import outward_ip
+        from hvd_resilient.checkpoint.memory.peers import SegmentServer
+
+        env = os.environ
+        target = (env["MASTER_ADDR"], int(env["MASTER_PORT"])) if "MASTER_ADDR" in env else None
+        try:
+            self.server = SegmentServer(self.config.store.memory_dir, outward_ip(target))
+        except OSError as e:
+            logger.warning("memory tier not served to peers: %s", e)
+
+    def _sweep_others(self) -> None:
+        """Segments of other histories of this run (another scope), and of any run untouched
+        for longer than memory_max_age_hours: nobody will resume from them."""
+        root, keep = self.config.store.memory_dir, self.run_key
+        scoped = bool(self.config.store.memory_scope)  # a fresh start: older histories go
+        base = keep.rsplit(".", 1)[0] if scoped else ""
+        max_age = self.config.store.memory_max_age_hours * 3600
+        try:
+            names = os.listdir(root)
+        except OSError:
+            return
+        for name in names:
+            if name == keep:
+                continue
+            path = os.path.join(root, name)
+            older_history = name == base or scoped and name.startswith(base + ".")
+            if older_history or _idle_seconds(path) > max_age:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def discard(self) -> None:
+        """The run ended (finished, or stopped with its final durable checkpoint): its
+        segments on this host go."""
+        if not self.writer:
+            return
+        self.flush(30)
+        shutil.rmtree(os.path.join(self.config.store.memory_dir, self.run_key),
+                      ignore_errors=True)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join(30)
+            self._thread = None
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the lock
+            self._lock_fd = -1
+            self.writer = False
+
+
+def _unusable(root: str) -> str:
+    """Why the tier cannot live at ``root`` ('' when it can)."""
+    try:
+        os.makedirs(root, mode=0o700, exist_ok=True)
+    except OSError as e:
+        return f"{root} cannot be created ({e.strerror})"
+    if not os.access(root, os.W_OK):
+        return f"{root} is not writable"
+    return ""
+
+
+def _idle_seconds(path: str) -> float:
+    newest = 0.0
+    for dirpath, _, names in os.walk(path):
+        for n in [*names, "."]:
+            try:
+                newest = max(newest, os.path.getmtime(os.path.join(dirpath, n)))
+            except OSError:
+                pass
+    return time.time() - newest

@@ -1,0 +1,138 @@
+"""A restart of every worker resumes from the last commit kept in host memory (the memory
+tier), not from the last durable checkpoint: under mpirun (a rank killed, the supervisor
+relaunches), under a relaunched horovodrun driver, and with a corrupt copy skipped. The runs
+write durable checkpoints only every 1000 steps, so a resume from memory is the only way to
+lose no more than one commit interval. Each run ends with the parameters of a run never
+killed, every sample used exactly once, and nothing of it left in the memory tier."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.support.exactly_once import assert_exactly_once
+from tests.support.jobs import PYTHON, events, wait_for
+from tests.support.paths import ROOT, SCRIPTS
+from tests.support.runs import assert_faults_fired, resumed_from_last_commit
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+HVD = str(Path(PYTHON).parent / "hvd-resilient")
+JOB = str(SCRIPTS / "elastic_job.py")
+DIGITS = str(ROOT / "examples" / "digits.py")
+N_SAMPLES = 2048
+
+
+def mpi_job(jobs, tmp: Path, name: str, *, restarts: int = 2, fault: str = ""):
+    run = tmp / name
+    env = jobs.env(HVD_RESILIENT_FAULT=fault) if fault else jobs.env()
+    job = jobs.start([HVD, "run", "--backend", "mpi", "--np", "2", "--run-id", name,
+                      "--run-dir", str(run), "--max-restarts", str(restarts), "--", PYTHON,
+                      JOB, "--run-dir", str(run), "--steps", "90", "--commit-every", "5",
+                      "--checkpoint-url", f"file://{tmp}/ckpt-{name}",
+                      "--checkpoint-every", "1000", "--memory-tier"], env=env, name=name)
+    return run, job
+
+
+def digests(run: Path) -> set[str]:
+    return {e["params_sha256"] for e in events(run / "events.jsonl") if e["event"] == "done"}
+
+
+def segments(root: str) -> list[str]:
+    """Every file the memory tier holds (the lock files aside)."""
+    return sorted(str(Path(d, n).relative_to(root)) for d, _, names in os.walk(root)
+                  for n in names if not n.startswith("."))
+
+
+def test_mpi_rank_killed_resumes_from_memory_exactly_once(tmp_path, jobs, memory_tier_dir):
+    ref, job = mpi_job(jobs, tmp_path, "ref")
+    assert job.wait(300) == 0, job.output()[-3000:]
+    (reference,) = digests(ref)
+
+    run, job = mpi_job(jobs, tmp_path, "run", fault="kill:rank=1:step=33")
+    assert job.wait(300) == 0, job.output()[-3000:]
+    assert_faults_fired(run, 1)
+    evs = events(run / "events.jsonl")
+    assert [e["attempt"] for e in evs if e["event"] == "restart"] == [1]
+    resume = resumed_from_last_commit(evs)
+    assert resume["from_step"] == 30 and resume["durable_step"] == -1, resume
+    assert digests(run) == {reference}, "the resumed run is not bit-identical"
+    assert_exactly_once(run, N_SAMPLES)
+    assert segments(memory_tier_dir) == [], "a finished run left its commits in memory"
+
+
+def test_a_corrupt_memory_copy_is_skipped_and_the_one_before_is_used(tmp_path, jobs,
+                                                                     memory_tier_dir):
+    run, job = mpi_job(jobs, tmp_path, "run", restarts=0, fault="kill:rank=1:step=33")
+    assert job.wait(300) not in (0, None), "the job should have failed without restarts"
+    data = sorted(Path(memory_tier_dir).rglob("step-*.data"))
+    assert [p.name for p in data] == ["step-0000000025.data", "step-0000000030.data"], \
+        segments(memory_tier_dir)
+    with open(data[-1], "r+b") as f:  # one flipped byte in the newest commit
+        f.seek(os.path.getsize(data[-1]) // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x01]))
+
+    again = jobs.start([HVD, "run", "--backend", "mpi", "--np", "2", "--run-id", "run",
+                        "--run-dir", str(run), "--", PYTHON, JOB, "--run-dir", str(run),
+                        "--steps", "90", "--commit-every", "5", "--checkpoint-url",
+                        f"file://{tmp_path}/ckpt-run", "--checkpoint-every", "1000",
+                        "--memory-tier"], name="again")
+    assert again.wait(300) == 0, again.output()[-3000:]
+    evs = events(run / "events.jsonl")
+    skipped = [e for e in evs if e["event"] == "checkpoint_skipped"]
+    assert [(e["tier"], e["at_step"]) for e in skipped] == [("memory", 30)], skipped
+    assert "digest mismatch" in skipped[0]["reason"]
+    (resume,) = [e for e in evs if e["event"] == "resume"]
+    assert (resume["source"], resume["from_step"]) == ("memory", 25), resume
+    assert len(digests(run)) == 1
+    assert_exactly_once(run, N_SAMPLES)
+    assert segments(memory_tier_dir) == []
+
+
+def _driver(job) -> psutil.Process:
+    """The supervisor's one child: horovodrun's driver."""
+    (kid,) = psutil.Process(job.proc.pid).children()
+    assert "horovod" in " ".join(kid.cmdline()), kid.cmdline()
+    return kid
+
+
+def test_horovodrun_driver_killed_relaunch_resumes_from_memory(tmp_path, jobs,
+                                                               memory_tier_dir):
+    def launch(name: str):
+        run = tmp_path / name
+        return run, jobs.start(
+            [HVD, "run", "--backend", "horovod", "--np", "2", "--network-interface", "lo",
+             "--run-id", name, "--run-dir", str(run), "--max-restarts", "2", "--", PYTHON,
+             DIGITS, "--epochs", "6", "--commit-every", "5", "--checkpoint-every", "1000",
+             "--seed", "4"], name=name)
+
+    ref, job = launch("ref")
+    assert job.wait(300) == 0, job.output()[-3000:]
+    (reference,) = digests(ref)
+
+    run, job = launch("run")
+    commits = lambda: [e["at_step"] for e in events(run / "events.jsonl")  # noqa: E731
+                       if e["event"] == "memory_commit"]
+    wait_for(lambda: any(s >= 40 for s in commits()), 240, "a commit at step >= 40", job)
+    _driver(job).send_signal(signal.SIGKILL)
+    assert job.wait(300) == 0, job.output()[-3000:]
+    evs = events(run / "events.jsonl")
+    assert [e["attempt"] for e in evs if e["event"] == "restart"] == [1]
+    (resume,) = [e for e in evs if e["event"] == "resume"]
+    committed = [e["at_step"] for e in evs if e["event"] == "memory_commit"
+                 and e["ts"] < resume["ts"]]
+    # Nothing lost: local workers get SIGTERM from horovodrun's middleman when the driver
+    # dies and stop with a final durable checkpoint (then their commits go); workers that
+    # get no signal (a remote ssh session) exit as driver_lost, and the memory tier has it.
+    assert resume["from_step"] >= max(committed) >= 40, (resume, committed[-3:])
+    if resume["source"] == "durable":
+        assert [e for e in evs if e["event"] == "preempted" and e["ts"] < resume["ts"]]
+    else:
+        assert resume["source"] == "memory", resume
+    assert digests(run) == {reference}, "the resumed run is not bit-identical"
+    assert segments(memory_tier_dir) == []
