@@ -80,11 +80,38 @@ def stop_restarts_on_fatal() -> None:
     LocalElasticAgent._monitor_workers = monitor_and_stop  # type: ignore[method-assign]
 
 
+ROUND_ENV = "HVD_RESILIENT_RDZV_ROUND"
+
+
+def export_round() -> None:
+    """Workers learn the rendezvous round they belong to (`HVD_RESILIENT_RDZV_ROUND`).
+
+    The torchrun backend keys each round's process-group store by round, so a round never
+    reads a dead round's addresses. Each agent's TORCHELASTIC_RESTART_COUNT is its own count:
+    a node that joins later (a replaced host) starts at 0 while the others are at 2, and its
+    workers would wait under another prefix until the process-group timeout. The round is the
+    rendezvous' own, the same on every node. Read from a private attribute; where it is
+    missing the backend falls back to the restart count (fixed membership works either way)."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    joined = dr.DynamicRendezvousHandler.next_rendezvous
+
+    def next_rendezvous(self: Any) -> Any:
+        info = joined(self)
+        state = getattr(getattr(self, "_state_holder", None), "state", None)
+        if isinstance(getattr(state, "round", None), int):
+            os.environ[ROUND_ENV] = str(state.round)  # inherited by this round's workers
+        return info
+
+    dr.DynamicRendezvousHandler.next_rendezvous = next_rendezvous  # type: ignore[method-assign]
+
+
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     from torch.distributed.run import main as torchrun_main
 
     stop_restarts_on_fatal()
+    export_round()
 
     warm = warm_args(args)
     if warm is not None and _warm_up():

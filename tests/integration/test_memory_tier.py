@@ -8,6 +8,7 @@ killed, every sample used exactly once, and nothing of it left in the memory tie
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -136,3 +137,47 @@ def test_horovodrun_driver_killed_relaunch_resumes_from_memory(tmp_path, jobs,
         assert resume["source"] == "memory", resume
     assert digests(run) == {reference}, "the resumed run is not bit-identical"
     assert segments(memory_tier_dir) == []
+
+
+def test_torchrun_a_node_without_its_copy_fetches_the_peers(tmp_path, jobs):
+    """Two torchrun nodes (agents) on this machine, each with its own memory tier folder, as
+    two hosts would have. Everything is SIGKILLed, the second node's memory is wiped (a
+    replaced host), and both are started again: the second node's rank fetches the commit
+    from the first node's copy over HTTP, and the run ends as if nothing had happened."""
+    from hvd_resilient.launch.commands import torchrun_command
+    from tests.support.jobs import free_port
+
+    run = tmp_path / "run"
+    memory = [str(tmp_path / f"shm-node{i}") for i in range(2)]
+    train = [PYTHON, DIGITS, "--run-id", "peer", "--run-dir", str(run), "--checkpoint-url",
+             f"file://{tmp_path}/ckpt", "--checkpoint-every", "1000", "--commit-every", "10",
+             "--epochs", "8", "--seed", "5"]
+
+    def nodes(endpoint: str) -> list:
+        cmd = torchrun_command(1, "2", endpoint, 0, "peer", train)
+        return [jobs.start(cmd, env=jobs.env(HVD_RESILIENT_STORE_MEMORY_DIR=memory[i]),
+                           name=f"node{i}") for i in range(2)]
+
+    first = nodes(f"127.0.0.1:{free_port()}")
+    commits = lambda: [e["at_step"] for e in events(run / "events.jsonl")  # noqa: E731
+                       if e["event"] == "memory_commit"]
+    wait_for(lambda: any(s >= 60 for s in commits()), 240, "a commit at step >= 60", first[0])
+    for job in first:
+        for p in job.processes():
+            p.send_signal(signal.SIGKILL)
+    for job in first:
+        job.wait(30)
+    held = [sorted(p.name for p in Path(m).rglob("step-*.json")) for m in memory]
+    assert held[0] and held[1], held  # each node wrote its own copy
+    shutil.rmtree(memory[1])
+
+    again = nodes(f"127.0.0.1:{free_port()}")
+    for job in again:
+        assert job.wait(300) == 0, job.output()[-3000:]
+    evs = events(run / "events.jsonl")
+    resume = resumed_from_last_commit(evs, source="peer")
+    assert resume["fetched_by"] and resume["durable_step"] == -1, resume
+    assert Path(held[0][-1]).stem == f"step-{resume['from_step']:010d}"
+    done = [e for e in evs if e["event"] == "done"]
+    assert len(done) == 2 and len({e["params_sha256"] for e in done}) == 1, done
+    assert not [p for m in memory for p in Path(m).rglob("step-*")], "commits left in memory"

@@ -54,7 +54,10 @@ class TorchDistBackend(Backend):
         if use_cuda:
             self.device = torch.device("cuda", int(env.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(self.device)
-        restart = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+        # the rendezvous round (every node agrees; torchrun_warm exports it), else this agent's
+        # restart count (right while no node joins later)
+        restart = env.get("HVD_RESILIENT_RDZV_ROUND") or env.get("TORCHELASTIC_RESTART_COUNT",
+                                                                  "0")
         base = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size=world,
                              is_master=False, timeout=self.pg_timeout)
         store = dist.PrefixStore(f"hvd_resilient/round{restart}/", base)
