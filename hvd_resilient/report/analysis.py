@@ -488,7 +488,8 @@ def analyze(raw: Iterable[Event], now: float | None = None,
         launches=len(launches),
         restarts=[{"after_s": r.old_end_ts - t0, "reason": r.reason, "from_step": r.from_step,
                    "down_s": r.new_start_ts - r.old_end_ts,
-                   "startup_s": r.new_train_ts - r.new_start_ts, "steps_lost": r.lost_steps}
+                   "startup_s": r.new_train_ts - r.new_start_ts, "steps_lost": r.lost_steps,
+                   "source": r.source}
                   for r in restarts],
         resumes=sum(lch.resume_from_step is not None for lch in launches),
         failures=failures, resets=sum(ep.recovered for ep in episodes),

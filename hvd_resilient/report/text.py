@@ -160,7 +160,8 @@ def render(r: Report, source: str = "") -> str:
     for rs in r.restarts:
         out.append(_line("restart", (
             f"at {dur(rs['after_s'])} ({rs['reason']}): down {dur(rs['down_s'])}, start-up "
-            f"{dur(rs['startup_s'])}, resumed from step {rs['from_step']}, "
+            f"{dur(rs['startup_s'])}, resumed from step {rs['from_step']}"
+            + (f" ({rs['source']})" if rs.get("source") else "") + ", "
             f"{rs['steps_lost']} steps redone")))
     out += _straggler_rows(r)
     out.append(_line("throughput", _rate(r.step_rate, r.samples_per_s) + " (mean between commits)"))

@@ -113,6 +113,9 @@ class Launch:
     config: dict[str, Any] | None
     run_id: str | None
     episodes: list[Episode] = field(default_factory=list)
+    resume_source: str = ""
+    """Where the resume came from: memory, peer or durable ('' : no resume, or a log from
+    before the field existed)."""
 
 
 @dataclass
@@ -133,6 +136,8 @@ class Restart:
     lost_steps: int
     episode: Episode | None
     """The old launch's unfinished recovery, when it died while recovering."""
+    source: str = ""
+    """Where the new launch resumed from: memory, peer, durable."""
 
 
 def _is_progress(e: Event) -> bool:
@@ -275,6 +280,7 @@ def build_launch(index: int, events: list[Event]) -> Launch:
         index=index, events=events, start_ts=events[0]["ts"], end_ts=events[-1]["ts"],
         train_ts=train_ts, end=end,
         resume_from_step=int(resume_from) if isinstance(resume_from, int) else None,
+        resume_source=str(resume.get("source", "")) if resume else "",
         first_step=min(steps), last_step=max(steps), size=rank0["size"], config=config,
         run_id=rank0.get("run_id"),
     )
@@ -298,7 +304,7 @@ def build_restart(old: Launch, new: Launch) -> Restart:
         before=old.index, reason=reason, from_step=from_step, anchor_ts=anchor,
         last_progress_ts=last, old_end_ts=old.end_ts, new_start_ts=new.start_ts,
         new_train_ts=new.train_ts, lost_steps=max(0, old.last_step - from_step),
-        episode=open_ep,
+        episode=open_ep, source=new.resume_source,
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
 from pathlib import Path
 
 import psutil
@@ -63,6 +64,9 @@ def test_mpi_rank_killed_resumes_from_memory_exactly_once(tmp_path, jobs, memory
     assert digests(run) == {reference}, "the resumed run is not bit-identical"
     assert_exactly_once(run, N_SAMPLES)
     assert segments(memory_tier_dir) == [], "a finished run left its commits in memory"
+    report = subprocess.run([HVD, "report", str(run)], capture_output=True, text=True,
+                            timeout=120)
+    assert "resumed from step 30 (memory), 3 steps redone" in report.stdout, report.stdout
 
 
 def test_a_corrupt_memory_copy_is_skipped_and_the_one_before_is_used(tmp_path, jobs,
