@@ -17,6 +17,7 @@ from typing import Any
 from hvd_resilient.backends.base import Backend
 from hvd_resilient.backends.torchrun import fsdp
 from hvd_resilient.checkpoint.manager import CheckpointError
+from hvd_resilient.checkpoint.manifest import SHARDED
 from hvd_resilient.checkpoint.serialize import from_bytes, to_buffer
 from hvd_resilient.checkpoint.sharded.checkpointer import ShardedCheckpointer
 from hvd_resilient.checkpoint.stores import redact_url
@@ -60,7 +61,7 @@ class ShardedDurableCheckpoints(DurableCheckpoints):
                  backend: Backend, *, faults: Any = None, memory: Any = None) -> None:
         import torch.distributed as dist
 
-        super().__init__(config, state, events, backend, faults=faults, memory=None)
+        super().__init__(config, state, events, backend, faults=faults, memory=memory)
         # Created here, on every rank at the same point (creating a group is a collective).
         group = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT)
         self.saver = ShardedCheckpointer(
@@ -69,7 +70,15 @@ class ShardedDurableCheckpoints(DurableCheckpoints):
         )
 
     def resume(self) -> int | None:
-        """Loads the newest verified sharded checkpoint, resharded onto this world size."""
+        """Loads the newest commit the memory tier's shards cover, else the newest verified
+        sharded checkpoint; either is resharded onto this world size. Collective."""
+        floor = self._durable_floor()
+        found = self.memory.newest(floor) if self.memory is not None else None
+        if found is not None:
+            fsdp.apply_full_state(self.state.model, self.state.optimizer, found.files)
+            self.state.load_run_state(found.files["run"])
+            return self._resumed(found.source, found.info.world_size, SHARDED, published=floor,
+                                 fetched=found.fetched)
         target = fsdp.sharded_state(self.state.model, self.state.optimizer)
         try:
             found = self.saver.load_latest(target)

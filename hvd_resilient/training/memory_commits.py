@@ -59,6 +59,9 @@ class MemoryCommits:
     """The memory tier of one training process; every rank builds one (a no-op where the
     tier is off), and the trainer hands it to :class:`DurableCheckpoints`."""
 
+    sharded = False
+    """Replicated state here; `memory_sharded.ShardedMemoryCommits` keeps FSDP shards."""
+
     def __init__(self, config: TrainConfig, state: Any, events: EventLog,
                  backend: Backend) -> None:
         self.config, self.state, self.events, self.backend = config, state, events, backend
@@ -85,8 +88,8 @@ class MemoryCommits:
         if reason:
             self._off(reason)
             return
-        if config.fsdp:
-            self._off("sharded (fsdp) state is kept by the durable checkpoints only")
+        if config.fsdp and not self.sharded:
+            self._off("sharded (fsdp) state needs ShardedMemoryCommits")
             return
         if self._lead() and backend.resume_on_every_rank:
             self._serve()
@@ -108,8 +111,9 @@ class MemoryCommits:
         import fcntl
 
         if self._lock_fd < 0:
-            os.makedirs(self.dir.path, exist_ok=True)
-            self._lock_fd = os.open(os.path.join(self.dir.path, ".writer.lock"),
+            run_path = os.path.dirname(self.dir.path)
+            os.makedirs(run_path, exist_ok=True)
+            self._lock_fd = os.open(os.path.join(run_path, ".writer.lock"),
                                     os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -136,10 +140,14 @@ class MemoryCommits:
         step = self.state.step
         if not self._lead() or step in self.dir.steps()[:1]:
             return
+        self._write(self.dir, step, self.state.checkpoint_state(streams))
+
+    def _write(self, folder: SegmentDir, step: int, state: Any) -> None:
+        """Inside the step: the copy; then checksums and manifest on the background thread."""
         self._idle.wait()  # the previous segment's checksums (rarely still running)
         meta = {"epoch": self.state.epoch, "world_size": self.backend.size()}
         try:
-            pending = self.dir.begin(step, self.state.checkpoint_state(streams), meta)
+            pending = folder.begin(step, state, meta)
         except TierFull as e:
             if not self._full:
                 self._full = True
@@ -156,24 +164,29 @@ class MemoryCommits:
             self._thread = threading.Thread(target=self._finish_loop, name="memory-tier",
                                             daemon=True)
             self._thread.start()
-        self._jobs.put(pending)
+        self._jobs.put((folder, pending))
 
     def _finish_loop(self) -> None:
         while True:
-            pending = self._jobs.get()
-            if pending is None:
+            job = self._jobs.get()
+            if job is None:
                 return
+            folder, pending = job
             t0 = time.perf_counter()
             try:
-                info = self.dir.finish(pending)
+                info = folder.finish(pending)
                 self.events.emit("memory_commit", at_step=info.step, bytes=info.total_bytes,
                                  stall_seconds=round(pending.stall_seconds, 4),
                                  seconds=round(time.perf_counter() - t0, 4))
+                self._after_finish(info)
             except Exception as e:
                 self.events.emit("memory_commit_failed", at_step=pending.step,
                                  error=f"{type(e).__name__}: {e}")
             finally:
                 self._idle.set()
+
+    def _after_finish(self, info: SegmentInfo) -> None:
+        """Off the step, once a segment is complete (the sharded tier copies it to a peer)."""
 
     def flush(self, timeout: float | None = None) -> bool:
         """Waits for the segment in progress (tests, and before the run's segments go)."""

@@ -122,7 +122,7 @@ class Trainer:
             lr_scaling=cfg.lr_scaling, events=events, last_loss=math.nan,
         )
         self._faults = FaultPlan.parse(os.environ.get(FAULT_ENV), cfg.run_dir)
-        commits = MemoryCommits(cfg, state, events, backend)
+        commits = _memory_class(cfg.fsdp)(cfg, state, events, backend)
         durable = _durable_class(cfg.fsdp)(cfg, state, events, backend, faults=self._faults,
                                            memory=commits)
         rank0 = backend.rank() == 0
@@ -310,6 +310,15 @@ def _durable_class(sharded: bool) -> type[DurableCheckpoints]:
     from hvd_resilient.training.durable_sharded import ShardedDurableCheckpoints
 
     return ShardedDurableCheckpoints
+
+
+def _memory_class(sharded: bool) -> type[MemoryCommits]:
+    """Each rank keeps its own shards (FSDP), or one rank per host the whole state."""
+    if not sharded:
+        return MemoryCommits
+    from hvd_resilient.training.memory_sharded import ShardedMemoryCommits
+
+    return ShardedMemoryCommits
 
 
 def _to(batch: Any, device: torch.device) -> Any:

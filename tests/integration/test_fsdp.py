@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -33,10 +34,15 @@ JOB = str(SCRIPTS / "fsdp_job.py")
 EVERY = 10
 
 
-def launch(jobs, run: Path, nproc: int, url: str, max_steps: int, name: str):
+def launch(jobs, run: Path, nproc: int, url: str, max_steps: int, name: str,
+           memory: bool = False):
+    """The durable path by default (memory tier off); ``memory``: durable checkpoints every
+    1000 steps and the memory tier on, so only memory can hold the commits."""
+    tier = ["--checkpoint-every", "1000"] if memory else [
+        "--checkpoint-every", str(EVERY), "--no-store-memory-tier"]
     cmd = [TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), "--max-restarts", "0",
            JOB, "--fsdp", "--run-id", "r", "--run-dir", str(run), "--checkpoint-url", url,
-           "--checkpoint-every", str(EVERY), "--batch-size", "8", "--epochs", "1000",
+           *tier, "--commit-every", str(EVERY), "--batch-size", "8", "--epochs", "1000",
            "--max-steps", str(max_steps), "--keep-last", "4", "--log-every", "1000",
            "--dump-dir", str(run / "dumps")]
     return jobs.start(cmd, name=name)
@@ -59,9 +65,10 @@ def train_and_kill(jobs, run: Path, nproc: int, url: str, checkpoints: int) -> N
     assert not [e for e in events(run / "events.jsonl") if e["event"] == "done"]
 
 
-def resume(jobs, run: Path, nproc: int, url: str, from_step: int) -> dict[str, Any]:
+def resume(jobs, run: Path, nproc: int, url: str, from_step: int,
+           memory: bool = False) -> dict[str, Any]:
     """Resumes at ``nproc`` ranks, trains 5 more steps, returns the resume event."""
-    job = launch(jobs, run, nproc, url, from_step + 5, f"resume{nproc}")
+    job = launch(jobs, run, nproc, url, from_step + 5, f"resume{nproc}", memory)
     assert job.wait(240) == 0, job.output()[-3000:]
     evs = events(run / "events.jsonl")
     (resumed,) = [e for e in evs if e["event"] == "resume"]
@@ -143,6 +150,80 @@ def test_fsdp_2_to_4_ranks_s3_corrupt_shard_falls_back(tmp_path, jobs, s3_url, s
     assert [(e["step"], e["reason"]) for e in skipped] == [
         (newest.step, "shards/__1_0.distcp sha256 mismatch")]
     check_resumed_state(run, previous.step, 2, 4)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_fsdp_4_to_2_ranks_from_the_memory_tier(tmp_path, jobs, memory_tier_dir):
+    """No durable checkpoint yet (every 1000 steps): the killed 4-rank job's shards in host
+    memory are the only copy; 2 ranks reassemble and reshard them."""
+    run, url = tmp_path / "run", (tmp_path / "ckpt").as_uri()
+    job = launch(jobs, run, 4, url, 100_000, "train4", memory=True)
+
+    def complete() -> list[int]:  # steps every rank's shards reached memory at
+        seen: dict[int, set[int]] = {}
+        for e in events(run / "events.jsonl"):
+            if e["event"] == "memory_commit":
+                seen.setdefault(e["at_step"], set()).add(e["rank"])
+        return [s for s, ranks in seen.items() if len(ranks) == 4]
+
+    wait_for(lambda: len(complete()) >= 2, 240, "two complete commits in memory", job)
+    for p in job.processes():
+        p.send_signal(signal.SIGKILL)
+    job.wait(30)
+    newest = max(complete())
+    assert CheckpointManager(url).latest() is None, "no durable checkpoint expected"
+
+    resumed = resume(jobs, run, 2, url, newest, memory=True)
+    assert (resumed["source"], resumed["from_step"]) == ("memory", newest), resumed
+    assert resumed["saved_world_size"] == 4 and resumed["layout"] == "sharded", resumed
+    check_resumed_state(run, newest, 4, 2)
+    assert not list(Path(memory_tier_dir).rglob("step-*")), "commits left after the run"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_fsdp_a_lost_hosts_shards_come_from_its_peers_copy(tmp_path, jobs):
+    """Two torchrun nodes of two ranks each, each node with a memory tier of its own (two
+    hosts to the tier). Each node copies its shards to the other's memory. Everything is
+    SIGKILLed and node 1's memory wiped (a host lost); 2 nodes of 1 rank resume: node 1's
+    rank fetches every shard from node 0, which holds its own and node 1's copies."""
+    from hvd_resilient.launch.commands import torchrun_command
+    from tests.support.jobs import free_port
+
+    run, url = tmp_path / "run", (tmp_path / "ckpt").as_uri()
+    memory = [str(tmp_path / f"shm-node{i}") for i in range(2)]
+
+    def nodes(nproc: int, max_steps: int, name: str) -> list:
+        train = [JOB, "--fsdp", "--run-id", "r", "--run-dir", str(run), "--checkpoint-url",
+                 url, "--checkpoint-every", "1000", "--commit-every", str(EVERY),
+                 "--batch-size", "8", "--epochs", "1000", "--max-steps", str(max_steps),
+                 "--log-every", "1000", "--dump-dir", str(run / "dumps")]
+        cmd = torchrun_command(nproc, "2", f"127.0.0.1:{free_port()}", 0, "r", train)
+        return [jobs.start(cmd, env=jobs.env(HVD_RESILIENT_STORE_MEMORY_DIR=memory[i]),
+                           name=f"{name}-node{i}") for i in range(2)]
+
+    first = nodes(2, 100_000, "train")
+    pushed = lambda: sorted({p.parent.name for p in  # noqa: E731
+                             Path(memory[0]).rglob("shard-0000[23]-of-00004/step-*.json")})
+    wait_for(lambda: len(pushed()) == 2, 240, "node 1's shards in node 0's memory", first[0])
+    for job in first:
+        for p in job.processes():
+            p.send_signal(signal.SIGKILL)
+    for job in first:
+        job.wait(30)
+    shutil.rmtree(memory[1])
+
+    steps = {int(p.stem.split("-")[1]) for p in Path(memory[0]).rglob("shard-*/step-*.json")}
+    again = nodes(1, max(steps) + 5, "resume")
+    for job in again:
+        assert job.wait(300) == 0, job.output()[-3000:]
+    evs = events(run / "events.jsonl")
+    (resumed,) = [e for e in evs if e["event"] == "resume"]
+    assert resumed["source"] == "peer" and resumed["fetched_by"], resumed
+    assert resumed["saved_world_size"] == 4 and resumed["size"] == 2, resumed
+    check_resumed_state(run, resumed["from_step"], 4, 2)
+    assert not [p for m in memory for p in Path(m).rglob("step-*")], "commits left in memory"
 
 
 def test_fsdp_with_horovod_is_one_config_error(tmp_path):

@@ -4,7 +4,7 @@ AdamW and a scheduler on a small MLP whose layer sizes do not divide by 2 or 4 (
 padding).
 
 It writes the full (gathered) model and optimizer state to `--dump-dir` at every checkpoint
-step (`saved-<step>-w<world>.pt`, the state the checkpoint holds) and right after a resume
+or commit step (`saved-<step>-w<world>.pt`, the state the checkpoint holds) and right after a resume
 (`resumed-<step>-w<world>.pt`, the state the checkpoint gave back), so the test can compare
 them across world sizes.
 """
@@ -67,7 +67,8 @@ def main() -> int:
     ShardedDurableCheckpoints.resume = resume_and_dump  # type: ignore[method-assign]
 
     def on_step(state: Any, _loss: float) -> None:
-        if state.step % cfg.checkpoint_every == 0:  # the checkpoint of this step follows
+        # the checkpoint or commit of this step follows
+        if state.step % min(cfg.checkpoint_every, cfg.commit_every) == 0:
             dump(state, "saved", args.dump_dir)
 
     torch.manual_seed(cfg.seed)

@@ -130,3 +130,15 @@ def apply_sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer,
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+
+def apply_full_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                     full: dict[str, Any]) -> None:
+    """Puts a whole (unsharded) ``{"model": ..., "optim": ...}`` onto this world size: every
+    rank holds all of it and keeps its own shards (the memory tier's restart, which assembles
+    the full tensors from every old rank's shards)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    set_state_dict(model, optimizer, model_state_dict=full["model"],
+                   optim_state_dict=full["optim"],
+                   options=StateDictOptions(full_state_dict=True))

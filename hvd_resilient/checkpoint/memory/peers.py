@@ -11,6 +11,7 @@ same trust as the job's Gloo connections, which are not authenticated either.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import http.server
 import os
@@ -20,6 +21,7 @@ from typing import Any
 
 from hvd_resilient.checkpoint.host_buffers import allocate
 from hvd_resilient.checkpoint.memory.segments import (
+    SegmentDir,
     SegmentError,
     SegmentInfo,
     check_name,
@@ -53,6 +55,40 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.end_headers()
             while chunk := f.read(_CHUNK):
                 self.wfile.write(chunk)
+
+    def do_PUT(self) -> None:  # noqa: N802 - the http.server name
+        """A peer's copy of its own segment file (the sharded tier's replication): written
+        under a temporary name and renamed, so a manifest, sent last, appears whole."""
+        m = _PATH.match(self.path)
+        n = int(self.headers.get("Content-Length", "-1"))
+        if not m or n < 0:
+            self.send_error(400)
+            return
+        path = os.path.join(self.root, *m.groups())
+        tmp = f"{path}.put{threading.get_ident()}.tmp"
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(tmp, "wb") as f:
+                left = n
+                while left:
+                    chunk = self.rfile.read(min(left, _CHUNK))
+                    if not chunk:
+                        raise OSError("short body")
+                    f.write(chunk)
+                    left -= len(chunk)
+            os.replace(tmp, path)
+            if path.endswith(".json"):  # a new copy is complete: older ones beyond two go
+                run_key, owner, _ = m.groups()
+                held = SegmentDir(self.root, run_key, owner)
+                for step in held.steps()[2:]:
+                    held.drop(step)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            self.send_error(500)
+            return
+        self.send_response(204)
+        self.end_headers()
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
         pass  # the job's own events say what was fetched
@@ -113,6 +149,34 @@ def fetch(address: tuple[str, int], run_id: str, owner: str, step: int,
         return info, files_from(info, data, index)
     except (OSError, http.client.HTTPException) as e:
         raise SegmentError(f"peer {address[0]}:{address[1]} unreachable for step {step} "
+                           f"({type(e).__name__}: {e})") from None
+    finally:
+        conn.close()
+
+
+def push(address: tuple[str, int], run_id: str, owner: str, step: int, folder: str,
+         timeout: float = 60.0) -> None:
+    """Copies this host's segment of ``step`` to a peer: data and index first, the manifest
+    last, so the peer never holds a manifest without its bytes.
+
+    Raises:
+        SegmentError: the peer is unreachable or refused a file.
+    """
+    base = f"/{check_name(run_id, 'run id')}/{check_name(owner, 'owner')}/{stem(step)}"
+    conn = http.client.HTTPConnection(*address, timeout=timeout)
+    try:
+        for suffix in (".data", ".index", ".json"):
+            path = os.path.join(folder, stem(step) + suffix)
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                conn.request("PUT", base + suffix, body=f,
+                             headers={"Content-Length": str(size)})
+                resp = conn.getresponse()
+                resp.read()
+            if resp.status != 204:
+                raise SegmentError(f"peer answered {resp.status} for {base}{suffix}")
+    except (OSError, http.client.HTTPException) as e:
+        raise SegmentError(f"peer {address[0]}:{address[1]} did not take step {step} "
                            f"({type(e).__name__}: {e})") from None
     finally:
         conn.close()

@@ -260,10 +260,10 @@ class SegmentDir:
             self._discard_tmp(step)
             raise
         for old in self.steps()[2:]:
-            self._drop(old)
+            self.drop(old)
         return info
 
-    def _drop(self, step: int) -> None:
+    def drop(self, step: int) -> None:
         for suffix in (".json", ".index", ".data"):  # manifest first
             _remove(self.file(step, suffix))
 
@@ -326,7 +326,7 @@ class SegmentDir:
     def clear(self) -> None:
         """Every segment of this owner (the lock file stays)."""
         for step in self.steps():
-            self._drop(step)
+            self.drop(step)
         self.sweep()
 
     def remove(self) -> None:

@@ -1,0 +1,265 @@
+"""The memory tier for sharded (FSDP) state: every rank keeps its own shards of each commit in
+its host's memory and copies them to the next host's memory, so a restart of every worker
+resumes from the last commit, at any world size, while the copies cover the whole state.
+
+Why each rank writes its own segment (owner ``shard-<rank>-of-<world>``): no rank holds the
+whole state, and gathering it is what FSDP is used to avoid. Each segment holds the rank's
+local tensors (a DTensor's ``to_local()``), where each sits in the global tensor (DCP's own
+chunk description, ``__create_chunk_list__``), and the small replicated run state.
+
+The copy to a peer goes through the peer host's segment server (HTTP PUT, manifest last) on
+the background thread, after the local segment is complete: hosts form a ring in the order of
+their ids, each sends to the next, so no host holds both copies of a shard and a lost host's
+shards are on its successor.
+
+A restart (every rank, a collective): the ranks exchange what their hosts hold, pick the
+newest step whose shards of one world size are all somewhere (and no older than the newest
+durable checkpoint), and each rank reads every shard of it (its host's, else a peer's),
+assembles the full tensors on the CPU and hands them to ``set_state_dict`` with
+``full_state_dict``, which shards them onto this world size. Assembling costs the whole state
+in host memory on each rank for the moment of the restart; the durable path's DCP reads only
+what each rank needs, and remains the fallback.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+from typing import Any
+
+from hvd_resilient import log
+from hvd_resilient.checkpoint.memory import SegmentDir, SegmentError
+from hvd_resilient.checkpoint.serialize import map_leaves
+from hvd_resilient.checkpoint.split import join_state
+from hvd_resilient.state import rng
+from hvd_resilient.training.memory_commits import Found, MemoryCommits
+
+logger = log.get("memory")
+
+_OWNER = re.compile(r"^shard-(\d{5})-of-(\d{5})$")
+
+
+def owner(rank: int, world: int) -> str:
+    return f"shard-{rank:05d}-of-{world:05d}"
+
+
+def local_payload(sharded: dict[str, Any], run_state: dict[str, Any]) -> dict[str, Any]:
+    """This rank's part of a sharded state: local tensors plus where each sits globally."""
+    from torch.distributed.tensor import DTensor
+
+    layout: list[tuple[list[Any], list[int], list[int], list[int]]] = []
+
+    def leaf(obj: Any, path: tuple[Any, ...]) -> Any:
+        if not isinstance(obj, DTensor):
+            return obj
+        chunks = obj.__create_chunk_list__()
+        if len(chunks) > 1:
+            raise ValueError(f"{'/'.join(map(str, path))}: {len(chunks)} local chunks")
+        offsets = list(chunks[0].offsets) if chunks else [0] * obj.dim()
+        sizes = list(chunks[0].sizes) if chunks else [0] * obj.dim()
+        layout.append((list(path), list(obj.shape), offsets, sizes))
+        return obj.to_local()
+
+    return {"state": map_leaves(sharded, leaf), "layout": layout, "run": run_state}
+
+
+def assemble(payloads: list[dict[str, Any]]) -> dict[str, Any]:
+    """The full state from every rank's :func:`local_payload` (any order)."""
+    import torch
+
+    where: dict[tuple[Any, ...], list[tuple[list[int], list[int], Any]]] = {}
+    shapes: dict[tuple[Any, ...], list[int]] = {}
+    for p in payloads:
+        for path, shape, offsets, sizes in p["layout"]:
+            local = _at(p["state"], path)
+            where.setdefault(tuple(path), []).append((offsets, sizes, local))
+            shapes[tuple(path)] = shape
+
+    def leaf(obj: Any, path: tuple[Any, ...]) -> Any:
+        parts = where.get(path)
+        if parts is None:
+            return obj  # replicated (a step counter, param groups): the same on every rank
+        full = torch.zeros(shapes[path], dtype=parts[0][2].dtype)
+        covered = 0
+        for offsets, sizes, local in parts:
+            if 0 in sizes:
+                continue
+            index = tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))
+            full[index] = local.reshape(sizes)
+            covered += local.numel()
+        if covered != full.numel():
+            raise SegmentError(f"shards of {'/'.join(map(str, path))} cover {covered} of "
+                               f"{full.numel()} elements")
+        return full
+
+    return map_leaves(payloads[0]["state"], leaf)
+
+
+def _at(tree: Any, path: list[Any]) -> Any:
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+class ShardedMemoryCommits(MemoryCommits):
+    """The memory tier of an FSDP training process (torchrun only, like FSDP itself)."""
+
+    sharded = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._ring: tuple[str, int] | None | bool = False  # False: not asked yet
+        self._commits_at_size = 0
+        super().__init__(*args, **kwargs)
+        if self.enabled:
+            self.own = SegmentDir(self.config.store.memory_dir, self.run_key,
+                                  owner(self.backend.rank(), self.backend.size()),
+                                  max_bytes=self.config.store.memory_max_bytes)
+            self.own.sweep()
+            if not self.config.resume:
+                self.own.clear()
+
+    @property
+    def run_path(self) -> str:
+        return os.path.join(self.config.store.memory_dir, self.run_key)
+
+    def host_id(self) -> str:
+        """Who shares this memory: the machine, and the tier's folder on it (two agents on one
+        machine with folders of their own are two hosts to the tier, as in the tests)."""
+        try:
+            ino = os.stat(self.config.store.memory_dir).st_ino
+        except OSError:
+            ino = 0
+        return f"{socket.gethostname()}:{ino}"
+
+    # -- writing -------------------------------------------------------------------------------
+    def _on_commit(self) -> None:
+        from hvd_resilient.backends.torchrun import fsdp
+
+        streams = self.backend.allgather_object(rng.capture())
+        if self._ring is False:
+            self._ring = self._next_host()
+        self._lead()
+        step = self.state.step
+        self._commits_at_size += 1
+        if self.writer and self._commits_at_size == 2:
+            self._forget_other_sizes()
+        if step in self.own.steps()[:1]:
+            return
+        payload = local_payload(fsdp.sharded_state(self.state.model, self.state.optimizer),
+                                self.state.run_state(streams))
+        self._write(self.own, step, payload)
+
+    def _after_finish(self, info: Any) -> None:
+        if not isinstance(self._ring, tuple):
+            return
+        from hvd_resilient.checkpoint.memory.peers import push
+
+        try:
+            push(self._ring, self.run_key, self.own.owner, info.step, self.own.path)
+        except SegmentError as e:
+            self.events.emit("memory_push_failed", at_step=info.step, error=str(e))
+
+    def _next_host(self) -> tuple[str, int] | None:
+        """The next host's segment server in the ring of hosts (None: one host only). A
+        collective, at the first commit."""
+        mine = (self.host_id(), self.server.address if self.server else None)
+        everyone = self.backend.allgather_object(mine)
+        servers = {h: s for h, s in everyone if s is not None}
+        hosts = sorted({h for h, _ in everyone})
+        if len(hosts) < 2:
+            return None
+        nxt = hosts[(hosts.index(mine[0]) + 1) % len(hosts)]
+        return tuple(servers[nxt]) if nxt in servers else None  # type: ignore[return-value]
+
+    def _forget_other_sizes(self) -> None:
+        """Shards of another world size are dead weight once this size has a commit done."""
+        size = self.backend.size()
+        for name in _subdirs(self.run_path):
+            m = _OWNER.match(name)
+            if m and int(m.group(2)) != size:
+                shutil.rmtree(os.path.join(self.run_path, name), ignore_errors=True)
+
+    def discard(self) -> None:
+        """Every rank's copies (and pushes) are done before the run's folder goes, or a late
+        one would bring it back. Collective: every rank calls it at the end of the run."""
+        self.flush(60)
+        self.backend.allgather_object(None)
+        super().discard()
+
+    # -- reading -------------------------------------------------------------------------------
+    def newest(self, durable_step: int) -> Found | None:
+        if not self.enabled:
+            return None
+        held: dict[str, list[int]] = {}
+        for name in _subdirs(self.run_path):
+            if _OWNER.match(name):
+                held[name] = SegmentDir(self.config.store.memory_dir, self.run_key,
+                                        name).steps()
+        mine = {"host": self.host_id(), "server": self.server.address if self.server else None,
+                "held": held, "durable": durable_step}
+        everyone = self.backend.allgather_object(mine)
+        floor = max(p["durable"] for p in everyone)
+        servers = {p["host"]: p["server"] for p in everyone if p["server"] is not None}
+        hosts_of: dict[tuple[int, int, int], set[str]] = {}
+        for p in everyone:
+            for name, steps in p["held"].items():
+                m = _OWNER.match(name)
+                if m is None:
+                    continue
+                for s in steps:
+                    hosts_of.setdefault((s, int(m.group(2)), int(m.group(1))), set()).add(
+                        p["host"])
+        complete = sorted({(s, w) for s, w, _ in hosts_of
+                           if s >= floor and all((s, w, r) in hosts_of for r in range(w))},
+                          reverse=True)
+        for step, world in complete[:2]:
+            found = self._load(step, world, hosts_of, servers, mine["host"])
+            sources = self.backend.allgather_object(found.source if found else None)
+            if found is not None and None not in sources:
+                found.fetched = [r for r, src in enumerate(sources) if src == "peer"]
+                found.source = "peer" if found.fetched else "memory"
+                return found
+        return None
+
+    def _load(self, step: int, world: int, hosts_of: dict[tuple[int, int, int], set[str]],
+              servers: dict[str, Any], here: str) -> Found | None:
+        from hvd_resilient.checkpoint.memory.peers import fetch
+
+        payloads, source, first = [], "memory", None
+        for r in range(world):
+            name, files = owner(r, world), None
+            if here in hosts_of[(step, world, r)]:
+                try:
+                    info, files = SegmentDir(self.config.store.memory_dir, self.run_key,
+                                             name).read(step)
+                except SegmentError as e:
+                    self._skipped(step, f"{name}: {e}")
+            for host in sorted(hosts_of[(step, world, r)] - {here}):
+                if files is not None or host not in servers:
+                    continue
+                try:
+                    info, files = fetch(tuple(servers[host]), self.run_key, name, step)
+                    source = "peer"
+                except SegmentError as e:
+                    self._skipped(step, f"{name} from {host}: {e}")
+            if files is None:
+                return None
+            first = first or info
+            payloads.append(join_state(files))
+        try:
+            full = assemble(payloads)
+        except (SegmentError, KeyError, IndexError, RuntimeError) as e:
+            self._skipped(step, f"shards do not fit together: {e}")
+            return None
+        full["run"] = payloads[0]["run"]
+        assert first is not None
+        return Found(first, full, source)
+
+
+def _subdirs(path: str) -> list[str]:
+    try:
+        return sorted(e.name for e in os.scandir(path) if e.is_dir(follow_symlinks=False))
+    except OSError:
+        return []
