@@ -156,3 +156,40 @@ def test_long_first_step_and_a_long_stall_below_the_budget_are_not_failures(tmp_
                                                "reset")]
     assert not alarms, alarms
     assert len(set(final_digests(run).values())) == 1
+
+
+def _elastic_two(tmp_path, jobs, *train: str, name: str):
+    """Two workers on this machine under the Horovod driver, elastic, no fault planned."""
+    run = tmp_path / name
+    run.mkdir()
+    _, discover = write_discovery(tmp_path, "localhost:2")
+    cmd = horovodrun_elastic(discover, 2, 1, 2, "--gloo-timeout-seconds", GLOO_TIMEOUT)
+    cmd[:1] = [PYTHON, "-m", "hvd_resilient.launch.horovod.driver"]
+    job = jobs.start(cmd + [PYTHON, str(SCRIPTS / "long_phases_job.py"), "--run-dir",
+                            str(run), *train], name=name)
+    assert job.wait(400) == 0, job.output()[-3000:]
+    evs = events(run / "events.jsonl")
+    alarms = [e for e in evs if e["event"] in ("hang_detected", "peer_silent",
+                                               "failure_detected", "reset")]
+    assert not alarms, alarms
+    assert len(set(final_digests(run).values())) == 1
+    return evs
+
+
+def test_a_30s_evaluation_in_a_declared_section_is_not_a_hang(tmp_path, jobs):
+    """Every rank evaluates for 30 s at step 12 inside `watchdog.section`, with the progress
+    timeout at 3 s: the section's own budget holds, nothing fires."""
+    evs = _elastic_two(tmp_path, jobs, "--eval-at", "12", "--eval-seconds", "30",
+                       "--recovery-progress-timeout-seconds", "3", "--max-steps", "24", "--epochs", "9",
+                       "--commit-every", "4", name="eval")
+    assert len([e for e in evs if e["event"] == "evaluated"]) == 2
+
+
+def test_a_1gb_state_copied_at_commits_and_checkpoints_is_not_a_failure(tmp_path, jobs):
+    """A 1 GB state: every commit copies it (Horovod's commit and the memory tier), every
+    checkpoint snapshots it, under the default heartbeats and progress budgets."""
+    evs = _elastic_two(tmp_path, jobs, "--ballast-mb", "1024", "--max-steps", "12", "--epochs", "9",
+                       "--commit-every", "4", "--checkpoint-every", "8", name="big")
+    saved = [e for e in evs if e["event"] == "checkpoint_saved"]
+    assert saved and all(e["bytes"] > 2**30 for e in saved), saved
+    assert [e for e in evs if e["event"] == "memory_commit"]

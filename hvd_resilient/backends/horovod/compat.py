@@ -63,6 +63,8 @@ WORKER_TARGETS = (
     # worker side: `backends/horovod/state.py`, `run.py`, and the ordered optimizer
     ("horovod.torch.elastic.state", "TorchState"),
     ("horovod.torch.elastic.state", "StateHandler"),
+    ("horovod.torch.elastic.state", "ModelStateHandler"),
+    ("horovod.torch.elastic.state", "OptimizerStateHandler"),
     ("horovod.common.elastic", "notification_manager"),
     ("horovod.common.exceptions", "HorovodInternalError"),
     ("horovod.common.exceptions", "HostsUpdatedInterrupt"),
@@ -72,6 +74,8 @@ WORKER_TARGETS = (
 )
 WORKER_FIELDS = (
     ("horovod.torch.elastic.state", "TorchState", "_handlers"),
+    ("horovod.torch.elastic.state", "ModelStateHandler", "_saved_model_state"),
+    ("horovod.torch.elastic.state", "OptimizerStateHandler", "_saved_optimizer_state"),
     ("horovod.common.elastic", "State", "_host_messages"),
     ("horovod.torch.optimizer", "_DistributedOptimizer", "_handles"),
     ("horovod.torch.optimizer", "_DistributedOptimizer", "_allreduce_delay"),

@@ -1,0 +1,60 @@
+#!/usr/bin/env python3
+"""A Trainer job with the long phases that are not failures: an evaluation of every rank
+inside a declared watchdog section (`--eval-at STEP --eval-seconds S`), and a state big
+enough that each commit and checkpoint copies it for a while (`--ballast-mb`: a random buffer
+in the model, checkpointed like any other)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from hvd_resilient import watchdog
+from hvd_resilient.config import TrainConfig
+from hvd_resilient.errors import exit_on_error
+from hvd_resilient.training.trainer import Trainer
+
+
+def data(n: int = 512) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n, 16, generator=g)
+    return list(zip(x, (x.sum(1) > 0).long(), strict=True))
+
+
+@exit_on_error
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    TrainConfig.add_arguments(parser)
+    parser.add_argument("--eval-at", type=int, default=-1)
+    parser.add_argument("--eval-seconds", type=float, default=30.0)
+    parser.add_argument("--ballast-mb", type=float, default=0.0)
+    args = parser.parse_args()
+    cfg = TrainConfig.from_sources(args)
+    torch.manual_seed(cfg.seed)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 2))
+    if args.ballast_mb:
+        n = int(args.ballast_mb * 2**20 / 4)
+        model.register_buffer("ballast", torch.rand(n, generator=torch.Generator().manual_seed(1)))
+
+    def on_step(state: Any, _loss: float) -> None:
+        if state.step != args.eval_at:
+            return
+        # every rank evaluates (no collective inside), busy in Python as a real eval loop is
+        with watchdog.section("evaluation", args.eval_seconds + 15):
+            end = time.monotonic() + args.eval_seconds
+            while time.monotonic() < end:
+                model(torch.randn(64, 16)).sum().item()
+        state.events.emit("evaluated", seconds=args.eval_seconds)
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    Trainer(model, optimizer, nn.functional.cross_entropy, data(), cfg, on_step=on_step).fit()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
