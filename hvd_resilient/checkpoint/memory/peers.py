@@ -120,7 +120,7 @@ def _get(conn: http.client.HTTPConnection, path: str, limit: int) -> memoryview:
     n = int(resp.getheader("Content-Length", "-1"))
     if not 0 <= n <= limit:
         raise SegmentError(f"peer sent {n} bytes for {path}, expected at most {limit}")
-    buf = memoryview(allocate(n))[:n] if n else memoryview(bytearray())
+    buf = memoryview(allocate(n, populate=True))[:n] if n else memoryview(bytearray())
     got = 0
     while got < n:
         k = resp.readinto(buf[got:])

@@ -135,8 +135,9 @@ class _FileBuffers:
             self.offsets.append(pos)
             pos = _aligned(pos + n)
         self.path = self._prepare(max(pos, 1))
-        with open(self.path, "r+b") as f:
-            self.map = mmap.mmap(f.fileno(), max(pos, 1))
+        with open(self.path, "r+b") as f:  # pages mapped at once, not one fault each
+            self.map = mmap.mmap(f.fileno(), max(pos, 1),
+                                 flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         view = memoryview(self.map)
         return [view[o:o + n] for o, n in zip(self.offsets, sizes, strict=True)]
 
@@ -203,7 +204,8 @@ class SegmentDir:
             try:
                 with open(path, "rb", buffering=0) as f:
                     n = os.fstat(f.fileno()).st_size
-                    buf = memoryview(allocate(n))[:n] if n else memoryview(bytearray())
+                    buf = memoryview(allocate(n, populate=True))[:n] if n else \
+                        memoryview(bytearray())
                     got = f.readinto(buf) if n else 0
             except OSError as e:
                 raise SegmentError(f"step {step}: {os.path.basename(path)} unreadable "
