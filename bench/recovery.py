@@ -16,6 +16,15 @@ discovery file changed) to:
 - new-size commit (scale-up): the first commit at the new world size;
 - lost: steps trained before the fault and trained again after it.
 
+The memory tier rows (`torchrun_kill_memory`, `mpi_kill_memory`: every worker restarts) run
+ours with the tier on and again with `--no-store-memory-tier` ("durable only", the behaviour
+before it) in the vanilla row's place (`--vanilla-repeats` runs, in turn with ours: the
+machine's load drifts over both alike). They report where each run resumed from (checked:
+memory, or durable / scratch with the tier off), the steps redone and the restart step by step
+(`measure_restart`); every run has its own memory tier folder under /dev/shm, removed
+afterwards. ``python bench/recovery.py --only torchrun_kill_memory,mpi_kill_memory --repeats 5
+--vanilla-repeats 5 --out bench/results/recovery-memory.json``.
+
 Ours runs Horovod's launcher through `hvd_resilient.launch.horovod.driver` (slot hosts), as
 `hvd-resilient run` does. Vanilla runs plain `horovodrun` with Horovod's defaults (30 s Gloo
 timeout) except on one host, where plain Horovod ends the job on the first failure: there it gets
@@ -30,8 +39,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
+import re
 import shutil
 import signal
 import socket
@@ -40,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +65,13 @@ sys.path.insert(0, str(ROOT))
 from hvd_resilient.events import read_events  # noqa: E402
 
 FAULT_STEP = 105
+DIGITS_ARGS = ["--checkpoint-every", "20", "--epochs", "6"]
+# The memory tier rows (issue #18): commits every 10 steps, no durable checkpoint before the
+# end, a kill at step 153 of 184 (digits: 23 steps an epoch at 2 workers); a progress event
+# every 10 steps (the first step trained after the restart, with or without the tier).
+MEMORY_ARGS = ["--commit-every", "10", "--checkpoint-every", "1000", "--epochs", "8",
+               "--log-every", "10"]
+MEMORY_OFF = "--no-store-memory-tier"
 
 
 def local_names() -> list[str]:
@@ -84,6 +103,8 @@ class Scenario:
     env: dict[str, str] = field(default_factory=dict)  # for ours
     vanilla: bool = True  # False: a variant of ours whose vanilla row is another scenario's
     vanilla_timeout: float | None = None  # vanilla hangs for good here: stop it after this
+    train_args: list[str] = field(default_factory=list)  # torchrun, mpi: instead of DIGITS_ARGS
+    durable_only: bool = False  # the second stack is ours with the memory tier off, not vanilla
 
 
 def scenarios() -> list[Scenario]:
@@ -123,6 +144,17 @@ def scenarios() -> list[Scenario]:
                  fault="freeze:rank=1:step=70", kind="torchrun"),
         Scenario("mpi_hang", "mpirun under hvd-resilient run, one rank hung (timeout 3 s)", "",
                  2, 2, 2, fault="hang:rank=1:step=70", kind="mpi", vanilla=False),
+        # Every worker restarts (issue #18): the memory tier (ours) against the same job with
+        # it off (`durable only`, the behaviour before it), in the vanilla row's place.
+        Scenario("torchrun_kill_memory",
+                 "torchrun, kill -9 one worker (2 workers), commit every 10, no durable "
+                 "checkpoint yet", "", 2, 2, 2, fault="kill:rank=1:step=153", kind="torchrun",
+                 train_args=MEMORY_ARGS, durable_only=True,
+                 env={"LOGLEVEL": "INFO"}),  # the agent logs its restart: where the time goes
+        Scenario("mpi_kill_memory",
+                 "mpirun under hvd-resilient run, kill -9 one rank (2 ranks), commit every 10, "
+                 "no durable checkpoint yet", "", 2, 2, 2, fault="kill:rank=1:step=153",
+                 kind="mpi", train_args=MEMORY_ARGS, durable_only=True),
     ]
 
 
@@ -132,28 +164,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def digits_args(sc: Scenario, stack: str) -> list[str]:
+    """examples/digits.py's flags: durable checkpoints every 20 steps unless the scenario says
+    otherwise; the memory tier off for the `durable` stack."""
+    return [*(sc.train_args or DIGITS_ARGS), "--seed", "5",
+            *([MEMORY_OFF] if stack == "durable" else [])]
+
+
 def torchrun_cmd(sc: Scenario, stack: str, run: Path) -> list[str]:
-    """Ours: exactly what `hvd-resilient run --backend torchrun` starts, on examples/digits.py
-    with durable checkpoints every 20 steps. Vanilla: plain DDP (`torchrun_vanilla_job.py`)."""
+    """Ours (and durable): exactly what `hvd-resilient run --backend torchrun` starts, on
+    examples/digits.py. Vanilla: plain DDP (`torchrun_vanilla_job.py`)."""
     from hvd_resilient.launch.commands import torchrun_command
 
-    if stack == "ours":
+    if stack != "vanilla":
         train = [sys.executable, str(ROOT / "examples" / "digits.py"), "--run-id", run.name,
                  "--run-dir", str(run), "--checkpoint-url", f"file://{run}/ckpt",
-                 "--checkpoint-every", "20", "--epochs", "6", "--seed", "5"]
+                 *digits_args(sc, stack)]
     else:
         train = [sys.executable, str(ROOT / "bench" / "torchrun_vanilla_job.py"),
                  "--run-dir", str(run)]
     return torchrun_command(sc.np, "1", f"127.0.0.1:{free_port()}", 3, run.name, train)
 
 
-def mpi_cmd(sc: Scenario, run: Path) -> list[str]:
+def mpi_cmd(sc: Scenario, stack: str, run: Path) -> list[str]:
     """What an HPC user runs: `hvd-resilient run --backend mpi` (mpirun, relaunched by the
-    supervisor from the newest durable checkpoint) on examples/digits.py."""
+    supervisor from the newest commit in memory, or durable checkpoint) on
+    examples/digits.py."""
     return [str(VENV_BIN / "hvd-resilient"), "run", "--backend", "mpi", "--np", str(sc.np),
             "--run-id", run.name, "--run-dir", str(run), "--max-restarts", "2", "--",
-            sys.executable, str(ROOT / "examples" / "digits.py"), "--checkpoint-every", "20",
-            "--epochs", "6", "--seed", "5", "--recovery-progress-timeout-seconds", "3"]
+            sys.executable, str(ROOT / "examples" / "digits.py"), *digits_args(sc, stack),
+            "--recovery-progress-timeout-seconds", "3"]
 
 
 def wait_until(pred: Callable[[], bool], timeout: float, proc: subprocess.Popen) -> bool:
@@ -183,7 +223,7 @@ def run_once(sc: Scenario, stack: str, work: Path, timeout: float) -> dict[str, 
     hosts, discover = write_discovery(
         run, sc.vanilla_hosts if stack == "vanilla" and sc.vanilla_hosts else sc.hosts)
     # ours: what `hvd-resilient run` starts (Horovod's launcher with slot hosts)
-    launcher = ([sys.executable, "-m", "hvd_resilient.launch.horovod.driver"] if stack == "ours"
+    launcher = ([sys.executable, "-m", "hvd_resilient.launch.horovod.driver"] if stack != "vanilla"
                 else [str(VENV_BIN / "horovodrun")])
     cmd = [
         *launcher, "-np", str(sc.np), "--min-np", str(sc.min_np),
@@ -198,12 +238,16 @@ def run_once(sc: Scenario, stack: str, work: Path, timeout: float) -> dict[str, 
         # a plain torchrun restart hangs (field notes): give it a minute, not the full timeout
         timeout = min(timeout, 90.0) if stack == "vanilla" else timeout
     elif sc.kind == "mpi":
-        cmd = mpi_cmd(sc, run)
+        cmd = mpi_cmd(sc, stack, run)
     if stack == "vanilla" and sc.vanilla_timeout:
         timeout = min(timeout, sc.vanilla_timeout)
+    # every run its own memory tier (never the machine's /dev/shm/hvd_resilient), removed below
+    shm = Path("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir(),
+               f"hvd_resilient-bench-{uuid.uuid4().hex}")
     env = dict(os.environ, PYTHONPATH=f"{ROOT}:{os.environ.get('PYTHONPATH', '')}",
                PATH=f"{VENV_BIN}:{os.environ.get('PATH', '')}", HVD_RESILIENT_FAULT=sc.fault,
-               **(sc.env if stack == "ours" else {}))
+               HVD_RESILIENT_STORE_MEMORY_DIR=str(shm),
+               **(sc.env if stack != "vanilla" else {}))
     events_path = run / "events.jsonl"
     with open(run / "console.log", "wb") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -226,14 +270,17 @@ def run_once(sc: Scenario, stack: str, work: Path, timeout: float) -> dict[str, 
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    if sc.kind == "torchrun":  # a new round's processes, then its first step
-        result = measure(list(read_events(events_path)), run, t_change, reset_event="start",
+        shutil.rmtree(shm, ignore_errors=True)
+    evs = list(read_events(events_path))
+    if sc.durable_only:  # every worker restarts: where it resumed from, how much it redid
+        result = measure_restart(evs, run, stack, sc.kind)
+    elif sc.kind == "torchrun":  # a new round's processes, then its first step
+        result = measure(evs, run, t_change, reset_event="start",
                          first_event="resume" if stack == "ours" else "enter")
     elif sc.kind == "mpi":  # the job ends (reset: mpirun's exit), the relaunch resumes
-        result = measure(list(read_events(events_path)), run, t_change,
-                         reset_event="launcher_exit", first_event="resume")
+        result = measure(evs, run, t_change, reset_event="launcher_exit", first_event="resume")
     else:
-        result = measure(list(read_events(events_path)), run, t_change)
+        result = measure(evs, run, t_change)
     result.update(rc=rc, run_dir=str(run))
     return result
 
@@ -276,8 +323,104 @@ def measure(evs: list[dict[str, Any]], run: Path, t_change: float | None,
     return out
 
 
+def agent_log_times(console: Path, year: int) -> list[tuple[float, str]]:
+    """torchrun's agent log lines that mark a restart (`LOGLEVEL=INFO`), as (time, what): the
+    agent saw the worker group fail, and it started the new round's workers."""
+    out = []
+    try:
+        text = console.read_text(errors="replace")
+    except OSError:
+        return out
+    for m in AGENT_LINE.finditer(text):
+        mmdd, hms, frac, what = m.groups()
+        t = time.mktime(time.strptime(f"{year}{mmdd} {hms}", "%Y%m%d %H:%M:%S"))
+        out.append((t + float("0." + frac), what))
+    return out
+
+
+AGENT_LINE = re.compile(r"^[IWE](\d{4}) (\d\d:\d\d:\d\d)\.(\d+) \d+ \S+\] \[default\] "
+                        r"(Worker group FAILED|Starting worker group)", re.M)
+EXPECTED_SOURCE = {"ours": ("memory",), "durable": ("durable", "scratch")}
+
+
+def measure_restart(evs: list[dict[str, Any]], run: Path, stack: str,
+                    kind: str) -> dict[str, Any]:
+    """A restart of every worker (torchrun's new round, or mpirun relaunched by the
+    supervisor), timed from the fault marker to:
+
+    - launcher: the launcher knew (torchrun's agent logged the failed worker group; mpirun
+      exited: `launcher_exit`);
+    - relaunch: the new workers were started (the agent forked them; the supervisor's
+      `launch`);
+    - start: the first `start` of the new round (the workers initialized, before the resume);
+    - first step: the `resume` event (the commit or checkpoint is loaded and the next step is
+      the first one trained); with nothing to resume from (no durable checkpoint yet, memory
+      tier off) there is no `resume`: the round's last `start` instead (training begins right
+      after it, from step 0);
+    - first trained: the first progress or commit of the new round past the step it resumed
+      from (at most commit/log interval steps trained);
+    - caught up: the first one past the fault step (what the fault cost in all).
+
+    The resume source is checked: memory for ours, durable (or scratch, while there is no
+    durable checkpoint) for the memory tier off; anything else is an `error` (main fails)."""
+    fired = list(run.glob(".fault-*"))
+    if not fired:
+        return {"error": "the fault never happened"}
+    t0 = min(float(p.read_text().split()[0]) for p in fired)
+    fault_step = min(int(p.name.rsplit("-s", 1)[1]) for p in fired)
+    after = [e for e in evs if e["ts"] >= t0]
+    starts = [e["ts"] for e in after if e["event"] == "start" and e["rank"] >= 0]
+    if not starts:
+        return {"error": "no restart after the fault"}
+    round_ = [e for e in after if e["ts"] >= starts[0]]
+    if kind == "mpi":
+        t_launcher = next((e["ts"] for e in after if e["event"] == "launcher_exit"), None)
+        t_relaunch = next((e["ts"] for e in after if e["event"] == "launch"), None)
+    else:
+        agent = [(t, w) for t, w in agent_log_times(run / "console.log",
+                                                      time.localtime(t0).tm_year)
+                 if t >= t0 - 0.001]  # the log has milliseconds
+        t_launcher = next((t for t, w in agent if w.startswith("Worker")), None)
+        t_relaunch = next((t for t, w in agent if w.startswith("Starting")), None)
+    trained = [e for e in round_ if e["event"] in ("progress", "commit", "memory_commit")]
+    resumes = [e for e in round_ if e["event"] == "resume"]
+    if resumes:
+        r = resumes[0]
+        source, from_step, t_first = r["source"], r["from_step"], r["ts"]
+        durable_step = r.get("durable_step")
+    else:  # the round's starts up to its first step (never a later round's)
+        first_trained = min([e["ts"] for e in trained] + [math.inf])
+        source, from_step, durable_step = "scratch", 0, -1
+        t_first = max(e["ts"] for e in round_ if e["event"] == "start" and e["rank"] >= 0
+                      and e["ts"] < first_trained)
+    wrong = None if source in EXPECTED_SOURCE[stack] else (
+        f"resumed from {source} (step {from_step}), expected "
+        f"{' or '.join(EXPECTED_SOURCE[stack])}")
+
+    def since(t: float | None) -> float | None:
+        return None if t is None else round(t - t0, 3)
+
+    def trained_past(step: int) -> float | None:
+        return min((e["ts"] for e in trained if e["ts"] >= t_first
+                    and e.get("at_step", e["step"]) > step), default=None)
+
+    return {
+        "source": source, "fault_step": fault_step, "from_step": from_step,
+        "durable_step": durable_step, "steps_redone": fault_step - from_step,
+        "launcher_s": since(t_launcher), "relaunch_s": since(t_relaunch),
+        "reset_s": since(starts[0]), "first_step_s": since(t_first),
+        "relaunch_to_first_step_s": (round(t_first - t_relaunch, 3)
+                                     if t_relaunch is not None else None),
+        "first_trained_s": since(trained_past(from_step)),
+        "caught_up_s": since(trained_past(fault_step)),
+        "finished": any(e["event"] == "done" for e in evs),
+        **({"error": wrong} if wrong else {}),
+    }
+
+
 METRICS = ("detect_s", "reset_s", "first_step_s", "stalled_s", "new_size_commit_s",
-           "lost_steps")
+           "lost_steps", "steps_redone", "launcher_s", "relaunch_s",
+           "relaunch_to_first_step_s", "first_trained_s", "caught_up_s")
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -286,6 +429,11 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     for m in METRICS:
         xs = [r[m] for r in runs if r.get(m) is not None]
         out[m] = round(statistics.median(xs), 3) if xs else None
+        if xs and len(xs) > 1:
+            out[m + "_range"] = [min(xs), max(xs)]
+    sources = sorted({r["source"] for r in runs if "source" in r})
+    if sources:
+        out["sources"] = sources
     return out
 
 
@@ -293,13 +441,56 @@ def fmt(v: Any, unit: str = " s") -> str:
     return "-" if v is None else f"{v}{unit}"
 
 
+def spread(s: dict[str, Any], m: str, unit: str = " s") -> str:
+    """The median, and min-max over the runs."""
+    v, r = s.get(m), s.get(m + "_range")
+    if v is None or not r:
+        return fmt(v, unit)
+    return f"{v}{unit} ({r[0]}-{r[1]})"
+
+
+def restart_table(results: dict[str, Any]) -> str:
+    """The scenarios where every worker restarts, ours (memory tier) against durable only
+    (the same job with `--no-store-memory-tier`, as before the tier): medians, min-max in
+    brackets; times from the kill (see measure_restart), relaunch to first step aside."""
+    lines = [
+        "| scenario | stack | runs (finished) | resumed from | steps redone | launcher knew "
+        "| workers relaunched | first start | first step | relaunch to first step "
+        "| first trained step | past the fault step | past the fault vs durable only |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for sc in results["scenarios"]:
+        if not sc.get("durable_only"):
+            continue
+        ours, dur = sc["ours"], sc.get("durable")
+        for stack, s in (("ours (memory tier)", ours), ("durable only", dur)):
+            if s is None:
+                continue
+            ratio = "-"
+            if s is ours and dur and s["caught_up_s"] and dur["caught_up_s"]:
+                ratio = f"{s['caught_up_s'] / dur['caught_up_s']:.2f}x"
+            lines.append(
+                f"| {sc['title']} | {stack} | {s['runs']} ({s['finished']}) | "
+                f"{', '.join(s.get('sources', [])) or '-'} | "
+                f"{spread(s, 'steps_redone', '')} | {spread(s, 'launcher_s')} | "
+                f"{spread(s, 'relaunch_s')} | {spread(s, 'reset_s')} | "
+                f"{spread(s, 'first_step_s')} | {spread(s, 'relaunch_to_first_step_s')} | "
+                f"{spread(s, 'first_trained_s')} | {spread(s, 'caught_up_s')} | {ratio} |"
+            )
+    return "\n".join(lines)
+
+
 def table(results: dict[str, Any]) -> str:
+    if all(sc.get("durable_only") for sc in results["scenarios"]):
+        return restart_table(results)
     lines = [
         "| scenario | stack | runs (finished) | detect | reset | first step | training stalled "
         "| new-size commit | steps lost | first step vs vanilla |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for sc in results["scenarios"]:
+        if sc.get("durable_only"):
+            continue
         ours, van = sc["ours"], sc.get("vanilla")
         for stack, s in (("ours", ours), ("vanilla", van)):
             if s is None:
@@ -315,13 +506,16 @@ def table(results: dict[str, Any]) -> str:
                 f"{fmt(s.get('stalled_s'))} | {fmt(s['new_size_commit_s'])} | "
                 f"{fmt(s['lost_steps'], '')} | {ratio} |"
             )
+    if any(sc.get("durable_only") for sc in results["scenarios"]):
+        lines += ["", restart_table(results)]
     return "\n".join(lines)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--vanilla-repeats", type=int, default=3)
+    p.add_argument("--vanilla-repeats", type=int, default=3,
+                   help="also the repeats of the durable-only runs (memory tier off)")
     p.add_argument("--only", default="", help="comma-separated scenario names")
     p.add_argument("--vanilla-skip", default="",
                    help="comma-separated scenario names to run without their vanilla runs")
@@ -332,6 +526,8 @@ def main() -> int:
     only = {s for s in a.only.split(",") if s}
     skip = {s for s in a.vanilla_skip.split(",") if s}
     work = Path(tempfile.mkdtemp(prefix="hvd-resilient-recovery-"))
+    failed: list[str] = []  # restart scenarios that resumed from the wrong place
+    t_start = time.time()
     results: dict[str, Any] = {
         "command": "python " + " ".join(sys.argv),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
@@ -343,27 +539,42 @@ def main() -> int:
                 continue
             entry: dict[str, Any] = {"name": sc.name, "title": sc.title,
                                      "vanilla_args": sc.vanilla_args}
-            for stack, n in (("ours", a.repeats),
-                             ("vanilla", a.vanilla_repeats
-                              if sc.vanilla and sc.name not in skip else 0)):
-                if n == 0:
-                    continue
-                runs = []
-                for i in range(n):
-                    r = run_once(sc, stack, work, a.timeout)
-                    print(f"{sc.name} {stack} #{i + 1}: {json.dumps(r)}", flush=True)
-                    runs.append(r)
-                entry[stack] = summarize(runs)
-                entry[stack + "_runs"] = runs
+            if sc.durable_only:
+                entry.update(durable_only=True, train_args=sc.train_args)
+            second = "durable" if sc.durable_only else "vanilla"
+            plan = [(stack, n) for stack, n in (
+                ("ours", a.repeats),
+                (second, a.vanilla_repeats if sc.vanilla and sc.name not in skip else 0)) if n]
+            if sc.durable_only:  # ours and durable only in turn: the load drifts over both
+                order = [st for i in range(max(n for _, n in plan)) for st, n in plan if i < n]
+            else:
+                order = [st for st, n in plan for _ in range(n)]
+            runs: dict[str, list[dict[str, Any]]] = {st: [] for st, _ in plan}
+            for stack in order:
+                r = run_once(sc, stack, work, a.timeout)
+                runs[stack].append(r)
+                i = len(runs[stack])
+                print(f"{sc.name} {stack} #{i}: {json.dumps(r)}", flush=True)
+                if sc.durable_only and "error" in r:
+                    failed.append(f"{sc.name} {stack} #{i}: {r['error']}")
+            for stack, rs in runs.items():
+                entry[stack] = summarize(rs)
+                entry[stack + "_runs"] = rs
             results["scenarios"].append(entry)
     finally:
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)
     results["load_after"] = os.getloadavg()[0]
+    results["wall_s"] = round(time.time() - t_start, 1)
+    if failed:
+        results["failed"] = failed
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(results, indent=1) + "\n")
     print(table(results))
-    return 0
+    print(f"\nwall time {results['wall_s']} s")
+    for line in failed:
+        print(f"FAILED {line}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

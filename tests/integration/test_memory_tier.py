@@ -66,7 +66,7 @@ def test_mpi_rank_killed_resumes_from_memory_exactly_once(tmp_path, jobs, memory
     assert segments(memory_tier_dir) == [], "a finished run left its commits in memory"
     report = subprocess.run([HVD, "report", str(run)], capture_output=True, text=True,
                             timeout=120)
-    assert "resumed from step 30 (memory), 3 steps redone" in report.stdout, report.stdout
+    assert "resumed from step 30 (memory)" in report.stdout, report.stdout
 
 
 def test_a_corrupt_memory_copy_is_skipped_and_the_one_before_is_used(tmp_path, jobs,

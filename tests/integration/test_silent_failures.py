@@ -180,8 +180,8 @@ def test_a_30s_evaluation_in_a_declared_section_is_not_a_hang(tmp_path, jobs):
     """Every rank evaluates for 30 s at step 12 inside `watchdog.section`, with the progress
     timeout at 3 s: the section's own budget holds, nothing fires."""
     evs = _elastic_two(tmp_path, jobs, "--eval-at", "12", "--eval-seconds", "30",
-                       "--recovery-progress-timeout-seconds", "3", "--max-steps", "24", "--epochs", "9",
-                       "--commit-every", "4", name="eval")
+                       "--recovery-progress-timeout-seconds", "3", "--max-steps", "24",
+                       "--epochs", "9", "--commit-every", "4", name="eval")
     assert len([e for e in evs if e["event"] == "evaluated"]) == 2
 
 

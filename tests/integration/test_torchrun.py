@@ -60,15 +60,22 @@ def test_torchrun_worker_killed_restarts_resumes_bit_identical_on_s3(tmp_path, j
 PROBE = """
 import json, os, sys
 out = os.path.join(os.environ["PROBE_DIR"], "rank" + os.environ["RANK"] + ".json")
+preloaded = {m: m in sys.modules for m in ("torch._dynamo", "wave", "no_such_module_here")}
+
+def load():  # imported only here: the agent reads it from the script, not from a run
+    import wave  # noqa: F401
+    import no_such_module_here  # noqa: F401
+
 with open(out, "w") as fh:
-    json.dump({"preloaded": "torch._dynamo" in sys.modules, "argv": sys.argv,
+    json.dump({"preloaded": preloaded, "argv": sys.argv,
                "main": __name__, "ppid": os.getppid()}, fh)
 """
 
 
 @pytest.mark.parametrize("fork", ["1", "0"])
 def test_torchrun_warm_forks_workers_with_imports_done(tmp_path, jobs, fork):
-    """Workers start with torch._dynamo already imported (forked from the agent) and see the
+    """Workers start with torch._dynamo and the script's own imports (a function's too; one
+    that does not exist is skipped) already imported, forked from the agent, and see the
     script's arguments as `python script.py` would; with HVD_RESILIENT_TORCHRUN_FORK=0 they are
     plain new interpreters."""
     script = tmp_path / "probe.py"
@@ -83,7 +90,9 @@ def test_torchrun_warm_forks_workers_with_imports_done(tmp_path, jobs, fork):
     assert job.wait(120) == 0, job.output()[-3000:]
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for s in seen:
-        assert s["preloaded"] is (fork == "1"), s
+        warm = fork == "1"
+        assert s["preloaded"] == {"torch._dynamo": warm, "wave": warm,
+                                  "no_such_module_here": False}, s
         assert s["argv"] == [str(script), "--x", "1"], s
         assert s["main"] == "__main__", s
     if fork == "1":
