@@ -78,8 +78,6 @@ class MemoryCommits:
         self._thread: threading.Thread | None = None
         self._full = False
         self.server: Any = None
-        self.held: list[int] = []
-        """Steps this host holds (newest first), as found at start."""
         self.dir = SegmentDir(opts.memory_dir, self.run_key, OWNER,
                               max_bytes=opts.memory_max_bytes)
         if not self.enabled:
