@@ -37,6 +37,10 @@ def test_job_trains_to_the_end_with_s3_checkpoints(cluster):
     assert done and done[0]["step"] == saved[-1], (done, saved)
     assert len(saved) >= 2 and saved[0] == 20, saved
     assert "accuracy" in cluster.shared("cat", "/shared/runs/e2e/result.json")
+    # every commit also reached the workers' memory tier (shm_size in compose.yaml)
+    tier = [e["event"] for e in events if e["event"].startswith("memory_")]
+    assert "memory_commit" in tier and not {"memory_commit_failed", "memory_tier_full"} & set(
+        tier), sorted(set(tier))
     # The checkpoints are in SeaweedFS (S3), listed by the project's own CLI.
     listing = cluster.dc("run", "--rm", "--no-deps", "-T", "driver", "hvd-resilient", "ckpt",
                          "list", "s3://ckpt/e2e", env=env, timeout=120).stdout
