@@ -67,6 +67,10 @@ class MemoryCommits:
         self.config, self.state, self.events, self.backend = config, state, events, backend
         opts = config.store
         self.enabled = opts.memory_tier
+        """The same on every rank (config): decides the collectives at commits and resumes."""
+        self.usable = False
+        """This host can hold the tier (its folder is writable): decides only the writing. A
+        host that cannot still joins every collective, or the others would wait for it."""
         self.writer = False
         """This process writes its host's copy: it holds the host's writer lock (one writer
         per host whatever the launcher calls local ranks; the next process takes over when
@@ -82,15 +86,18 @@ class MemoryCommits:
                               max_bytes=opts.memory_max_bytes)
         if not self.enabled:
             return
-        reason = _unusable(opts.memory_dir)
-        if reason:
-            self._off(reason)
-            return
         if config.fsdp and not self.sharded:
             self._off("sharded (fsdp) state needs ShardedMemoryCommits")
             return
-        if self._lead() and backend.resume_on_every_rank:
-            self._serve()
+        reason = _unusable(opts.memory_dir)
+        if reason:  # this host only: it keeps no copy, but takes part in every collective
+            self.events.emit("memory_tier", enabled=False, reason=reason)
+            logger.warning("memory tier off on this host: %s (its restarts read a peer's copy "
+                           "or the durable checkpoint)", reason)
+        else:
+            self.usable = True
+            if self._lead() and backend.resume_on_every_rank:
+                self._serve()
         state.on_commit(self._on_commit)
 
     @property
@@ -106,6 +113,8 @@ class MemoryCommits:
         """Takes the host's writer lock if nobody holds it; True when this process does."""
         if self.writer:
             return True
+        if not self.usable:
+            return False
         import fcntl
 
         if self._lock_fd < 0:
@@ -198,6 +207,8 @@ class MemoryCommits:
             return None
         if self.backend.resume_on_every_rank:
             return self._agreed(durable_step)
+        if not self.usable:
+            return None
         for step in self.dir.steps():
             if step < durable_step:
                 break

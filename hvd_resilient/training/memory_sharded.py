@@ -145,11 +145,10 @@ class ShardedMemoryCommits(MemoryCommits):
         self._commits_at_size += 1
         if self.writer and self._commits_at_size == 2:
             self._forget_other_sizes()
-        if step in self.own.steps()[:1]:
-            return
         payload = local_payload(fsdp.sharded_state(self.state.model, self.state.optimizer),
-                                self.state.run_state(streams))
-        self._write(self.own, step, payload)
+                                self.state.run_state(streams))  # on every rank, like FSDP
+        if self.usable and step not in self.own.steps()[:1]:
+            self._write(self.own, step, payload)
 
     def _after_finish(self, info: Any) -> None:
         if not isinstance(self._ring, tuple):

@@ -185,3 +185,29 @@ def test_torchrun_a_node_without_its_copy_fetches_the_peers(tmp_path, jobs):
     done = [e for e in evs if e["event"] == "done"]
     assert len(done) == 2 and len({e["params_sha256"] for e in done}) == 1, done
     assert not [p for m in memory for p in Path(m).rglob("step-*")], "commits left in memory"
+
+
+def test_torchrun_a_node_that_cannot_hold_the_tier_still_takes_part(tmp_path, jobs):
+    """One torchrun node's memory folder cannot be created (its parent is a file): that node
+    keeps no copy, but it must still join every collective of the tier (the commit's gather
+    of random streams, the resume's agreement), or the job would hang at its first commit."""
+    from hvd_resilient.launch.commands import torchrun_command
+    from tests.support.jobs import free_port
+
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    memory = [str(tmp_path / "shm-node0"), str(blocker / "shm")]
+    run = tmp_path / "run"
+    train = [PYTHON, DIGITS, "--run-id", "half", "--run-dir", str(run), "--checkpoint-url",
+             f"file://{tmp_path}/ckpt", "--commit-every", "10", "--epochs", "2", "--seed", "5"]
+    cmd = torchrun_command(1, "2", f"127.0.0.1:{free_port()}", 0, "half", train)
+    nodes = [jobs.start(cmd, env=jobs.env(HVD_RESILIENT_STORE_MEMORY_DIR=memory[i]),
+                        name=f"node{i}") for i in range(2)]
+    for job in nodes:
+        assert job.wait(240) == 0, job.output()[-3000:]
+    evs = events(run / "events.jsonl")
+    off = [e for e in evs if e["event"] == "memory_tier"]
+    assert len(off) == 1 and off[0]["enabled"] is False and "shm" in off[0]["reason"], off
+    writers = {e["rank"] for e in evs if e["event"] == "memory_commit"}
+    assert writers and off[0]["rank"] not in writers, (writers, off)
+    assert len([e for e in evs if e["event"] == "done"]) == 2
