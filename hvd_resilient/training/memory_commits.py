@@ -255,12 +255,20 @@ class MemoryCommits:
                     found = Found(info, files, "peer")
                 except SegmentError as e:
                     self._skipped(step, f"from {peer['host']}: {e}")
-            sources = self.backend.allgather_object(found.source if found else None)
-            if found is not None and None not in sources:
-                found.fetched = [r for r, src in enumerate(sources) if src == "peer"]
-                found.source = "peer" if found.fetched else "memory"
+            if self._all_loaded(found):
                 return found
         return None
+
+    def _all_loaded(self, found: Found | None) -> bool:
+        """Collective: True on every rank when every rank loaded the candidate (then
+        ``found`` says whether any rank had to fetch a peer's copy); False on every rank
+        otherwise, and all go on to the next candidate together."""
+        sources = self.backend.allgather_object(found.source if found else None)
+        if found is None or None in sources:
+            return False
+        found.fetched = [r for r, src in enumerate(sources) if src == "peer"]
+        found.source = "peer" if found.fetched else "memory"
+        return True
 
     # -- lifetime ------------------------------------------------------------------------------
     def _serve(self) -> None:

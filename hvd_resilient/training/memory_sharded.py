@@ -31,6 +31,7 @@ from typing import Any
 
 from hvd_resilient import log
 from hvd_resilient.checkpoint.memory import SegmentDir, SegmentError
+from hvd_resilient.checkpoint.memory.listing import subdirs
 from hvd_resilient.checkpoint.serialize import map_leaves
 from hvd_resilient.checkpoint.split import join_state
 from hvd_resilient.state import rng
@@ -175,7 +176,7 @@ class ShardedMemoryCommits(MemoryCommits):
     def _forget_other_sizes(self) -> None:
         """Shards of another world size are dead weight once this size has a commit done."""
         size = self.backend.size()
-        for name in _subdirs(self.run_path):
+        for name in subdirs(self.run_path):
             m = _OWNER.match(name)
             if m and int(m.group(2)) != size:
                 shutil.rmtree(os.path.join(self.run_path, name), ignore_errors=True)
@@ -192,7 +193,7 @@ class ShardedMemoryCommits(MemoryCommits):
         if not self.enabled:
             return None
         held: dict[str, list[int]] = {}
-        for name in _subdirs(self.run_path):
+        for name in subdirs(self.run_path):
             if _OWNER.match(name):
                 held[name] = SegmentDir(self.config.store.memory_dir, self.run_key,
                                         name).steps()
@@ -215,10 +216,7 @@ class ShardedMemoryCommits(MemoryCommits):
                           reverse=True)
         for step, world in complete[:2]:
             found = self._load(step, world, hosts_of, servers, mine["host"])
-            sources = self.backend.allgather_object(found.source if found else None)
-            if found is not None and None not in sources:
-                found.fetched = [r for r, src in enumerate(sources) if src == "peer"]
-                found.source = "peer" if found.fetched else "memory"
+            if self._all_loaded(found):
                 return found
         return None
 
@@ -255,10 +253,3 @@ class ShardedMemoryCommits(MemoryCommits):
         full["run"] = payloads[0]["run"]
         assert first is not None
         return Found(first, full, source)
-
-
-def _subdirs(path: str) -> list[str]:
-    try:
-        return sorted(e.name for e in os.scandir(path) if e.is_dir(follow_symlinks=False))
-    except OSError:
-        return []

@@ -68,7 +68,8 @@ class HeldRun:
         return bool(self.segments or self.bad)
 
 
-def _subdirs(path: str) -> list[str]:
+def subdirs(path: str) -> list[str]:
+    """The folders directly below ``path`` (none when it cannot be listed)."""
     try:
         with os.scandir(path) as it:
             return sorted(e.name for e in it if e.is_dir(follow_symlinks=False))
@@ -107,11 +108,11 @@ def held_segments(urls: str | Iterable[str], root: str | None = None) -> dict[st
     root = root or default_root()
     digests = {url_digest(u) for u in ([urls] if isinstance(urls, str) else urls)}
     found: dict[str, HeldRun] = {}
-    for run_key in _subdirs(root):
+    for run_key in subdirs(root):
         if not _plain(run_key) or not key_matches(run_key, digests):
             continue
         run = HeldRun(run_key)
-        for owner in filter(_plain, _subdirs(os.path.join(root, run_key))):
+        for owner in filter(_plain, subdirs(os.path.join(root, run_key))):
             seg = SegmentDir(root, run_key, owner)
             for step in sorted(seg.steps()):
                 try:
