@@ -204,9 +204,17 @@ def test_fsdp_a_lost_hosts_shards_come_from_its_peers_copy(tmp_path, jobs):
                            name=f"{name}-node{i}") for i in range(2)]
 
     first = nodes(2, 100_000, "train")
-    pushed = lambda: sorted({p.parent.name for p in  # noqa: E731
-                             Path(memory[0]).rglob("shard-0000[23]-of-00004/step-*.json")})
-    wait_for(lambda: len(pushed()) == 2, 240, "node 1's shards in node 0's memory", first[0])
+
+    def complete_in_node0() -> set[int]:
+        """Steps of which node 0 holds all four shards: its own two and node 1's pushed two
+        (its own writes and node 1's pushes finish independently, so wait for both)."""
+        held: dict[int, set[str]] = {}
+        for p in Path(memory[0]).rglob("shard-*-of-00004/step-*.json"):
+            held.setdefault(int(p.stem.split("-")[1]), set()).add(p.parent.name)
+        return {step for step, owners in held.items() if len(owners) == 4}
+
+    wait_for(lambda: complete_in_node0(), 240, "a step with all 4 shards in node 0's memory",
+             first[0])
     for job in first:
         for p in job.processes():
             p.send_signal(signal.SIGKILL)
@@ -214,15 +222,16 @@ def test_fsdp_a_lost_hosts_shards_come_from_its_peers_copy(tmp_path, jobs):
         job.wait(30)
     shutil.rmtree(memory[1])
 
-    steps = {int(p.stem.split("-")[1]) for p in Path(memory[0]).rglob("shard-*/step-*.json")}
-    again = nodes(1, max(steps) + 5, "resume")
+    newest = max(complete_in_node0())
+    again = nodes(1, newest + 5, "resume")
     for job in again:
         assert job.wait(300) == 0, job.output()[-3000:]
     evs = events(run / "events.jsonl")
     (resumed,) = [e for e in evs if e["event"] == "resume"]
     assert resumed["source"] == "peer" and resumed["fetched_by"], resumed
     assert resumed["saved_world_size"] == 4 and resumed["size"] == 2, resumed
-    check_resumed_state(run, resumed["from_step"], 4, 2)
+    assert resumed["from_step"] == newest, (resumed, newest)
+    check_resumed_state(run, newest, 4, 2)
     assert not [p for m in memory for p in Path(m).rglob("step-*")], "commits left in memory"
 
 
