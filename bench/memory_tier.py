@@ -267,6 +267,30 @@ def _copy_into_file(path: str, tensors: list[torch.Tensor], populate: bool) -> N
         m.close()
 
 
+def restore_child(root: str, step: int, shapes: list[int], threads: int) -> None:
+    """A restart's restore: the first read of a process that has just started (its memory is
+    fresh to it, which a benchmark loop inside one process never sees again). Prints the
+    times of read, join and ``load_state_dict`` into a model built beforehand, as JSON."""
+    from hvd_resilient.checkpoint.memory import segments
+
+    if threads:
+        segments._read_threads = lambda: threads  # type: ignore[assignment]
+    target = Big(shapes)
+    d = SegmentDir(root, "big", "replicated")
+    S = Samples()
+    _, files = S.timed("fresh_read", d.read, step)
+    sd = S.timed("fresh_join", join_state, files)
+    S.timed("fresh_load_state_dict", target.load_state_dict, sd)
+    print(json.dumps({k: [S.wall[k][0], S.cpu[k][0]] for k in S.wall}))
+
+
+def _restart_restore(root: str, step: int, shapes: list[int], threads: int) -> dict[str, float]:
+    out = subprocess.run([sys.executable, __file__, "--restore-child", root, str(step),
+                          ",".join(map(str, shapes)), str(threads)],
+                         capture_output=True, text=True, timeout=600, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def bench_restore(root: str, args: argparse.Namespace) -> dict[str, Any]:
     n_total = int(args.state_mb * (1 << 20)) // 4
     shapes = [n_total // 8] * 8
@@ -337,6 +361,16 @@ def bench_restore(root: str, args: argparse.Namespace) -> dict[str, Any]:
         print(f"# {label} restore {i + 1}/{r}: read {w['read']:.3f} s, join "
               f"{w['join']:.4f} s, load_state_dict {w['load_state_dict']:.3f} s, "
               f"raw copy {w['raw_copy_fresh']:.3f} s", file=sys.stderr, flush=True)
+    # (e): a restart's restore, in a process of its own: read on every core (as ``read`` does),
+    # and on one thread (what it did before)
+    for i in range(r):
+        for threads, suffix in ((0, ""), (1, "_1thread")):
+            got = _restart_restore(root, newest, shapes, threads)
+            for key, (wall, cpu) in got.items():
+                S.add(key + suffix, wall, cpu)
+        print(f"# {label} restart restore {i + 1}/{r}: read "
+              f"{S.wall['fresh_read'][-1]:.3f} s (one thread "
+              f"{S.wall['fresh_read_1thread'][-1]:.3f} s)", file=sys.stderr, flush=True)
     # the write into a recycled file as begin does it, and with MAP_POPULATE (this garbles
     # the newest segment's bytes: it is removed right after)
     for _ in range(r):
@@ -385,6 +419,9 @@ def bench_restore(root: str, args: argparse.Namespace) -> dict[str, Any]:
         "c_durable_load_join_load": ("durable_load", "durable_join",
                                      "durable_load_state_dict"),
         "d_raw_copy_fresh": ("raw_copy_fresh",),
+        "e_restart_read_join": ("fresh_read", "fresh_join"),
+        "e_restart_read_join_load": ("fresh_read", "fresh_join", "fresh_load_state_dict"),
+        "e_restart_read_join_1thread": ("fresh_read_1thread", "fresh_join_1thread"),
         **{k: (k,) for k in ("raw_copy_touched", "raw_copy_fresh_huge", "fault_in_fresh",
                              "file_read_fresh", "file_read_touched", "file_read_fresh_huge",
                              "xxh3", "load_state_dict")},
@@ -474,6 +511,12 @@ def tables(lm: dict[str, Any], big: dict[str, Any]) -> str:
              "c_durable_load_join", "durable_load", "durable_join"),
         line("(c') (c) + `load_state_dict`", "c_durable_load_join_load", "durable_load",
              "durable_join", "durable_load_state_dict"),
+        line("**(e) a restart's restore**: (a) as the first read of a new process (every core)",
+             "e_restart_read_join", "fresh_read", "fresh_join", bold=True),
+        line("(e') (e) + `load_state_dict`", "e_restart_read_join_load", "fresh_read",
+             "fresh_join", "fresh_load_state_dict"),
+        line("what if: (e) on one thread", "e_restart_read_join_1thread", "fresh_read_1thread",
+             "fresh_join_1thread"),
         line("(d) reference: copy into fresh memory (4 KB pages, as `read` allocates)",
              "d_raw_copy_fresh", "raw_copy_fresh"),
         line("copy into fresh memory with MADV_HUGEPAGE", "raw_copy_fresh_huge",
@@ -510,6 +553,8 @@ def tables(lm: dict[str, Any], big: dict[str, Any]) -> str:
          False),
         ("restore (b) + load_state_dict GB/s", g["b_memory_read_join_load"]["median"], ">=",
          2.0, False),
+        ("a restart's restore (e) read + join_state GB/s", g["e_restart_read_join"]["median"],
+         ">=", 2.0, False),
     ]
     for what, v, op, bound, pct in checks:
         ok = v <= bound if op == "<=" else v >= bound
@@ -529,7 +574,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--shm", default="/dev/shm")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "memory_tier.json"))
+    p.add_argument("--restore-child", nargs=4, metavar=("ROOT", "STEP", "SHAPES", "THREADS"),
+                   help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.restore_child:
+        root, step, shapes, threads = args.restore_child
+        restore_child(root, int(step), [int(n) for n in shapes.split(",")], int(threads))
+        return 0
     if args.repeats < 5 or args.lm_commits < 5:
         p.error("take medians of at least 5 repeats")
     load_before = os.getloadavg()
@@ -558,6 +609,8 @@ def main(argv: list[str] | None = None) -> int:
         "goals": {"commit_cost <= 0.03": lm["cost"]["median"] <= 0.03,
                   "restore_read_join_gbps >= 2": big["gbps"]["a_memory_read_join"]["median"]
                   >= 2.0,
+                  "restart_restore_read_join_gbps >= 2":
+                      big["gbps"]["e_restart_read_join"]["median"] >= 2.0,
                   "restore_with_load_state_dict_gbps >= 2":
                       big["gbps"]["b_memory_read_join_load"]["median"] >= 2.0},
         "lm": lm, "restore_1gb": big,

@@ -104,7 +104,20 @@ def _flip(path: str, offset: int) -> None:
 
 # -- segments -------------------------------------------------------------------------------
 
-def test_round_trip_keeps_every_tensor_and_tied_weights(memory_tier_dir: str) -> None:
+@pytest.fixture(params=["one-piece", "many-pieces"])
+def read_pieces(request: Any, monkeypatch: pytest.MonkeyPatch) -> str:
+    """read() as small states take it (one read) and as big ones do (pieces of the file on
+    several threads); pieces of one page make every test state many pieces."""
+    from hvd_resilient.checkpoint.memory import segments
+
+    if request.param == "many-pieces":
+        monkeypatch.setattr(segments, "READ_PIECE", segments.ALIGN)
+        monkeypatch.setattr(segments, "_read_threads", lambda: 3)
+    return request.param
+
+
+def test_round_trip_keeps_every_tensor_and_tied_weights(memory_tier_dir: str,
+                                                        read_pieces: str) -> None:
     d = SegmentDir(memory_tier_dir, RUN, OWNER)
     state = _state(7)
     info = _write(d, 7, state, {"epoch": 2, "world_size": 4, "note": "x"})
@@ -241,8 +254,8 @@ def _corrupt_json_field(d: SegmentDir, step: int) -> None:
     ("missing-data", "unreadable"),
     ("missing-index", "unreadable"),
 ])
-def test_corruption_is_refused_with_one_line(memory_tier_dir: str, case: str, message: str
-                                             ) -> None:
+def test_corruption_is_refused_with_one_line(memory_tier_dir: str, case: str, message: str,
+                                             read_pieces: str) -> None:
     d = SegmentDir(memory_tier_dir, RUN, OWNER)
     _write(d, 1, _state(1))
     info = _write(d, 2, _state(2))

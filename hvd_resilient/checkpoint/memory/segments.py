@@ -202,11 +202,7 @@ class SegmentDir:
         for suffix in (".data", ".index"):
             path = self.file(step, suffix)
             try:
-                with open(path, "rb", buffering=0) as f:
-                    n = os.fstat(f.fileno()).st_size
-                    buf = memoryview(allocate(n, populate=True))[:n] if n else \
-                        memoryview(bytearray())
-                    got = f.readinto(buf) if n else 0
+                buf, got, n = _read_whole(path)
             except OSError as e:
                 raise SegmentError(f"step {step}: {os.path.basename(path)} unreadable "
                                    f"({e.strerror})") from None
@@ -334,6 +330,49 @@ class SegmentDir:
     def remove(self) -> None:
         """This owner's segments, all of them (the run ended)."""
         shutil.rmtree(self.path, ignore_errors=True)
+
+
+READ_PIECE = 64 << 20
+
+
+def _read_threads() -> int:
+    """Threads a restore reads with: the cores this process may run on, at most 8. A restore
+    is bound by the kernel supplying fresh pages (about 1.4 GB/s a core here), and those
+    faults run in parallel on the faulting threads' own cores."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, 8))
+
+
+def _read_whole(path: str) -> tuple[memoryview, int, int]:
+    """A whole file into fresh memory, big files in pieces on several threads (``preadv``
+    releases the GIL); returns (buffer, bytes read, file size)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with open(path, "rb", buffering=0) as f:
+        fd = f.fileno()
+        n = os.fstat(fd).st_size
+        if n == 0:
+            return memoryview(bytearray()), 0, 0
+        threads = min(_read_threads(), -(-n // READ_PIECE))
+        buf = memoryview(allocate(n, populate=threads == 1))[:n]
+        if threads == 1:
+            return buf, f.readinto(buf), n
+
+        def piece(off: int) -> int:
+            end, done = min(off + READ_PIECE, n), 0
+            while off + done < end:
+                got = os.preadv(fd, [buf[off + done:end]], off + done)
+                if got == 0:
+                    break
+                done += got
+            return done
+
+        with ThreadPoolExecutor(threads) as pool:
+            got = sum(pool.map(piece, range(0, n, READ_PIECE)))
+        return buf, got, n
 
 
 def files_from(info: SegmentInfo, data: Any, index_raw: Any) -> dict[str, Any]:
