@@ -193,3 +193,36 @@ def test_a_1gb_state_copied_at_commits_and_checkpoints_is_not_a_failure(tmp_path
     saved = [e for e in evs if e["event"] == "checkpoint_saved"]
     assert saved and all(e["bytes"] > 2**30 for e in saved), saved
     assert [e for e in evs if e["event"] == "memory_commit"]
+
+
+def test_a_frozen_worker_on_another_node_does_not_hold_the_restart(tmp_path, jobs):
+    """Two torchrun nodes of one worker each; node 1 has a hostname of its own (a UTS
+    namespace), so node 0's worker cannot kill it: it finds rank 1 silent and exits, and node
+    1's agent must end its stopped worker at once. torchrun alone sends SIGTERM, which a
+    stopped process cannot act on, and SIGKILLs 30 s later ("Unable to shutdown process")."""
+    run = tmp_path / "run"
+    endpoint = f"127.0.0.1:{free_port()}"
+
+    def node(i: int) -> list[str]:
+        cmd = [HVD, "run", "--backend", "torchrun", "--np", "1", "--nnodes", "2",
+               "--rdzv-endpoint", endpoint, "--run-id", "run", "--run-dir", str(run),
+               "--max-restarts", "2", "--", PYTHON, DIGITS, *COMMON]
+        return cmd if i == 0 else ["unshare", "--uts", "sh", "-c",
+                                   'hostname "$0" && exec "$@"', "node1", *cmd]
+
+    started = [jobs.start(node(i), env=jobs.env(
+        HVD_RESILIENT_FAULT="freeze:rank=1:step=70",
+        HVD_RESILIENT_STORE_MEMORY_DIR=str(tmp_path / f"shm{i}")), name=f"node{i}")
+        for i in range(2)]
+    for job in started:
+        assert job.wait(300) == 0, job.output()[-3000:]
+    assert_faults_fired(run, 1)
+    evs = events(run / "events.jsonl")
+    (silent,) = [e for e in evs if e["event"] == "peer_silent"]
+    assert silent["ranks"] == [1] and silent["rank"] == 0, silent
+    assert "Unable to shutdown process" not in started[1].output(), started[1].output()[-3000:]
+    resume = resumed_from_last_commit(evs)
+    assert 70 - resume["from_step"] <= 5
+    assert len({e["params_sha256"] for e in evs if e["event"] == "done"}) == 1
+    assert not [p for job in started for p in job.processes()
+                if _status(p) == psutil.STATUS_STOPPED]
