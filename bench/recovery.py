@@ -25,6 +25,23 @@ memory, or durable / scratch with the tier off), the steps redone and the restar
 afterwards. ``python bench/recovery.py --only torchrun_kill_memory,mpi_kill_memory --repeats 5
 --vanilla-repeats 5 --out bench/results/recovery-memory.json``.
 
+Two more rows of that table end the launcher too (`run_relaunched`; the run holds at the fault
+step, a `hang` fault of rank 0, and the benchmark kills at that moment; times from the kill):
+
+- `horovodrun_driver_killed_memory`: `hvd-resilient run --backend horovod` (elastic, a
+  discovery script) whose horovodrun driver is SIGKILLed, together with Horovod's middlemen,
+  so that its workers get no signal, as on hosts reached over ssh (`kill_driver`); they find
+  the driver gone and exit, and the supervisor relaunches the driver. Killed alone, the
+  driver's local middlemen SIGTERM their workers, which stop with a final durable checkpoint
+  (the tier is not needed then; tests/integration/test_memory_tier.py).
+- `torchrun_host_lost_memory`: two torchrun agents (one worker each, c10d rendezvous on
+  loopback, each with its own memory tier folder: two hosts on one machine, not network
+  namespaces); everything is SIGKILLed, the second node's folder is removed (a replaced host)
+  and both are started again: the copy comes from the peer (`resume` with `source: peer`).
+
+``python bench/recovery.py --only horovodrun_driver_killed_memory,torchrun_host_lost_memory
+--repeats 5 --vanilla-repeats 5 --out bench/results/recovery-memory-relaunch.json``.
+
 Ours runs Horovod's launcher through `hvd_resilient.launch.horovod.driver` (slot hosts), as
 `hvd-resilient run` does. Vanilla runs plain `horovodrun` with Horovod's defaults (30 s Gloo
 timeout) except on one host, where plain Horovod ends the job on the first failure: there it gets
@@ -57,12 +74,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 JOB = ROOT / "bench" / "recovery_job.py"
 sys.path.insert(0, str(ROOT))
 
 from hvd_resilient.events import read_events  # noqa: E402
+from tests.support.jobs import Job, JobRunner  # noqa: E402
 
 FAULT_STEP = 105
 DIGITS_ARGS = ["--checkpoint-every", "20", "--epochs", "6"]
@@ -105,6 +125,7 @@ class Scenario:
     vanilla_timeout: float | None = None  # vanilla hangs for good here: stop it after this
     train_args: list[str] = field(default_factory=list)  # torchrun, mpi: instead of DIGITS_ARGS
     durable_only: bool = False  # the second stack is ours with the memory tier off, not vanilla
+    resume_from: str = "memory"  # durable_only: where ours must resume from (expected_source)
 
 
 def scenarios() -> list[Scenario]:
@@ -155,6 +176,19 @@ def scenarios() -> list[Scenario]:
                  "mpirun under hvd-resilient run, kill -9 one rank (2 ranks), commit every 10, "
                  "no durable checkpoint yet", "", 2, 2, 2, fault="kill:rank=1:step=153",
                  kind="mpi", train_args=MEMORY_ARGS, durable_only=True),
+        # The launcher dies too (`run_relaunched`): the run holds at step 153 (rank 0 hangs)
+        # and is killed there from outside.
+        Scenario("horovodrun_driver_killed_memory",
+                 "hvd-resilient run --backend horovod (elastic, 2 workers), driver kill -9, "
+                 "workers get no signal (as over ssh), commit every 10, no durable "
+                 "checkpoint yet", "localhost:2", 2, 2, 2, fault="hang:rank=0:step=153",
+                 kind="horovod_driver", train_args=MEMORY_ARGS, durable_only=True),
+        Scenario("torchrun_host_lost_memory",
+                 "torchrun, 2 nodes x 1 worker on loopback, all kill -9, node 1's memory "
+                 "wiped (host replaced), commit every 10, no durable checkpoint yet", "",
+                 2, 2, 2, fault="hang:rank=0:step=153", kind="torchrun_nodes",
+                 train_args=MEMORY_ARGS, durable_only=True, resume_from="peer",
+                 env={"LOGLEVEL": "INFO"}),
     ]
 
 
@@ -171,9 +205,11 @@ def digits_args(sc: Scenario, stack: str) -> list[str]:
             *([MEMORY_OFF] if stack == "durable" else [])]
 
 
-def torchrun_cmd(sc: Scenario, stack: str, run: Path) -> list[str]:
+def torchrun_cmd(sc: Scenario, stack: str, run: Path, nodes: int = 1,
+                 endpoint: str = "") -> list[str]:
     """Ours (and durable): exactly what `hvd-resilient run --backend torchrun` starts, on
-    examples/digits.py. Vanilla: plain DDP (`torchrun_vanilla_job.py`)."""
+    examples/digits.py; with `nodes`, one node's agent (sc.np workers over all nodes) of a
+    rendezvous at `endpoint`. Vanilla: plain DDP (`torchrun_vanilla_job.py`)."""
     from hvd_resilient.launch.commands import torchrun_command
 
     if stack != "vanilla":
@@ -183,17 +219,25 @@ def torchrun_cmd(sc: Scenario, stack: str, run: Path) -> list[str]:
     else:
         train = [sys.executable, str(ROOT / "bench" / "torchrun_vanilla_job.py"),
                  "--run-dir", str(run)]
-    return torchrun_command(sc.np, "1", f"127.0.0.1:{free_port()}", 3, run.name, train)
+    return torchrun_command(sc.np // nodes, str(nodes),
+                            endpoint or f"127.0.0.1:{free_port()}", 3, run.name, train)
 
 
 def mpi_cmd(sc: Scenario, stack: str, run: Path) -> list[str]:
     """What an HPC user runs: `hvd-resilient run --backend mpi` (mpirun, relaunched by the
     supervisor from the newest commit in memory, or durable checkpoint) on
     examples/digits.py."""
-    return [str(VENV_BIN / "hvd-resilient"), "run", "--backend", "mpi", "--np", str(sc.np),
+    return supervised_cmd(sc, stack, run, ["--backend", "mpi"],
+                          ("--recovery-progress-timeout-seconds", "3"))
+
+
+def supervised_cmd(sc: Scenario, stack: str, run: Path, launcher: list[str],
+                   train: tuple[str, ...] = ()) -> list[str]:
+    """`hvd-resilient run` with `launcher`'s flags on examples/digits.py (and `train`)."""
+    return [str(VENV_BIN / "hvd-resilient"), "run", *launcher, "--np", str(sc.np),
             "--run-id", run.name, "--run-dir", str(run), "--max-restarts", "2", "--",
             sys.executable, str(ROOT / "examples" / "digits.py"), *digits_args(sc, stack),
-            "--recovery-progress-timeout-seconds", "3"]
+            *train]
 
 
 def wait_until(pred: Callable[[], bool], timeout: float, proc: subprocess.Popen) -> bool:
@@ -217,9 +261,18 @@ def write_discovery(run: Path, hosts_text: str) -> tuple[Path, Path]:
     return hosts, discover
 
 
+def memory_tier_dir() -> Path:
+    """A memory tier folder of a run's own (never the machine's /dev/shm/hvd_resilient): the
+    caller removes it."""
+    return Path("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir(),
+                f"hvd_resilient-bench-{uuid.uuid4().hex}")
+
+
 def run_once(sc: Scenario, stack: str, work: Path, timeout: float) -> dict[str, Any]:
     run = work / f"{sc.name}-{stack}-{time.time_ns()}"
     run.mkdir(parents=True)
+    if sc.kind in RELAUNCHED:
+        return run_relaunched(sc, stack, run, timeout)
     hosts, discover = write_discovery(
         run, sc.vanilla_hosts if stack == "vanilla" and sc.vanilla_hosts else sc.hosts)
     # ours: what `hvd-resilient run` starts (Horovod's launcher with slot hosts)
@@ -241,9 +294,7 @@ def run_once(sc: Scenario, stack: str, work: Path, timeout: float) -> dict[str, 
         cmd = mpi_cmd(sc, stack, run)
     if stack == "vanilla" and sc.vanilla_timeout:
         timeout = min(timeout, sc.vanilla_timeout)
-    # every run its own memory tier (never the machine's /dev/shm/hvd_resilient), removed below
-    shm = Path("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir(),
-               f"hvd_resilient-bench-{uuid.uuid4().hex}")
+    shm = memory_tier_dir()  # removed below
     env = dict(os.environ, PYTHONPATH=f"{ROOT}:{os.environ.get('PYTHONPATH', '')}",
                PATH=f"{VENV_BIN}:{os.environ.get('PATH', '')}", HVD_RESILIENT_FAULT=sc.fault,
                HVD_RESILIENT_STORE_MEMORY_DIR=str(shm),
@@ -273,7 +324,7 @@ def run_once(sc: Scenario, stack: str, work: Path, timeout: float) -> dict[str, 
         shutil.rmtree(shm, ignore_errors=True)
     evs = list(read_events(events_path))
     if sc.durable_only:  # every worker restarts: where it resumed from, how much it redid
-        result = measure_restart(evs, run, stack, sc.kind)
+        result = measure_restart(evs, run, stack, sc.kind, expected=expected_source(sc, stack))
     elif sc.kind == "torchrun":  # a new round's processes, then its first step
         result = measure(evs, run, t_change, reset_event="start",
                          first_event="resume" if stack == "ours" else "enter")
@@ -283,6 +334,88 @@ def run_once(sc: Scenario, stack: str, work: Path, timeout: float) -> dict[str, 
         result = measure(evs, run, t_change)
     result.update(rc=rc, run_dir=str(run))
     return result
+
+
+RELAUNCHED = ("horovod_driver", "torchrun_nodes")
+
+
+def run_relaunched(sc: Scenario, stack: str, run: Path, timeout: float) -> dict[str, Any]:
+    """A row where the launcher dies with the workers (`horovod_driver`: horovodrun's driver
+    under `hvd-resilient run`, which relaunches it; `torchrun_nodes`: two torchrun agents,
+    started again by this function as a scheduler would). The run holds at the fault step
+    (sc.fault: a hang), and is killed from outside the moment its fault marker appears: the
+    times are from that kill. Every process the run started, in whatever session, is ended
+    before this returns (a marker in their environment, `tests.support.jobs`), and so are the
+    memory tier folders (one a node)."""
+    jobs = JobRunner(run)
+    shms = [memory_tier_dir() for _ in range(2 if sc.kind == "torchrun_nodes" else 1)]
+    env = [jobs.env(HVD_RESILIENT_FAULT=sc.fault, HVD_RESILIENT_STORE_MEMORY_DIR=str(shm),
+                    **sc.env) for shm in shms]
+    end = time.time() + timeout
+
+    def nodes() -> list[Job]:  # one agent a node, a fresh rendezvous each launch
+        cmd = torchrun_cmd(sc, stack, run, len(shms), f"127.0.0.1:{free_port()}")
+        return [jobs.start(cmd, env=e, name=f"node{i}") for i, e in enumerate(env)]
+
+    t_kill = t_relaunch = None
+    try:
+        if sc.kind == "horovod_driver":
+            _, discover = write_discovery(run, sc.hosts)
+            launched = [jobs.start(supervised_cmd(
+                sc, stack, run, ["--backend", "horovod", "--discovery", str(discover),
+                                 "--min-np", str(sc.min_np), "--max-np", str(sc.max_np),
+                                 "--network-interface", "lo"]), env=env[0], name="console")]
+        else:
+            launched = nodes()
+        if wait_until(lambda: any(run.glob(".fault-*")), timeout, launched[0].proc):
+            t_kill = time.time()
+            if sc.kind == "horovod_driver":
+                kill_driver(launched[0])
+            else:  # every process of both nodes; the second node's memory is gone with it
+                kill([p for job in launched for p in job.processes()])
+                for job in launched:
+                    job.proc.kill()  # the agent (already, unless it was not listed)
+                    job.proc.wait()
+                shutil.rmtree(shms[1], ignore_errors=True)
+                t_relaunch = time.time()
+                launched = nodes()
+        rc: list[int | None] = []
+        for job in launched:
+            try:
+                rc.append(job.proc.wait(timeout=max(1.0, end - time.time())))
+            except subprocess.TimeoutExpired:
+                rc.append(None)
+    finally:
+        jobs.cleanup()
+        for shm in shms:
+            shutil.rmtree(shm, ignore_errors=True)
+    result = measure_restart(
+        list(read_events(run / "events.jsonl")), run, stack, sc.kind, t_fault=t_kill,
+        consoles=[job.log for job in jobs.jobs], expected=expected_source(sc, stack))
+    if t_relaunch is not None:  # the new agents were started (their workers: relaunch_s)
+        result["agents_started_s"] = round(t_relaunch - t_kill, 3)
+    result.update(rc=rc if len(rc) > 1 else rc[0], run_dir=str(run))
+    return result
+
+
+def kill_driver(job: Job) -> None:
+    """SIGKILLs horovodrun's driver (the one child of `hvd-resilient run`'s supervisor) and,
+    first, every process the driver forked: Horovod's middlemen, which SIGTERM their local
+    workers when the driver dies (a local worker then stops with a final durable checkpoint,
+    and the tier is not needed). Without them the workers get no signal, as on a host reached
+    over ssh: they find the driver gone (driver_watch: about 5 s) and exit, their commits kept
+    in the memory tier."""
+    for driver in psutil.Process(job.proc.pid).children():
+        kill([*driver.children(), driver])
+
+
+def kill(procs: list[psutil.Process]) -> None:
+    """SIGKILL, in this order (psutil checks that each is still the process listed)."""
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def measure(evs: list[dict[str, Any]], run: Path, t_change: float | None,
@@ -343,15 +476,23 @@ AGENT_LINE = re.compile(r"^[IWE](\d{4}) (\d\d:\d\d:\d\d)\.(\d+) \d+ \S+\] \[defa
 EXPECTED_SOURCE = {"ours": ("memory",), "durable": ("durable", "scratch")}
 
 
-def measure_restart(evs: list[dict[str, Any]], run: Path, stack: str,
-                    kind: str) -> dict[str, Any]:
-    """A restart of every worker (torchrun's new round, or mpirun relaunched by the
-    supervisor), timed from the fault marker to:
+def expected_source(sc: Scenario, stack: str) -> tuple[str, ...]:
+    """Where a restart row's run must resume from: ours from sc.resume_from (memory, or a
+    peer's copy), durable only from the last durable checkpoint, or from scratch."""
+    return (sc.resume_from,) if stack == "ours" else EXPECTED_SOURCE[stack]
 
-    - launcher: the launcher knew (torchrun's agent logged the failed worker group; mpirun
-      exited: `launcher_exit`);
-    - relaunch: the new workers were started (the agent forked them; the supervisor's
-      `launch`);
+
+def measure_restart(evs: list[dict[str, Any]], run: Path, stack: str, kind: str, *,
+                    t_fault: float | None = None, consoles: list[Path] | None = None,
+                    expected: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """A restart of every worker (torchrun's new round, or mpirun or horovodrun's driver
+    relaunched by the supervisor, or torchrun's agents started again), timed from the fault
+    marker (or `t_fault`, when the fault came from outside) to:
+
+    - launcher: the launcher knew (torchrun's agent logged the failed worker group; mpirun or
+      the driver exited: `launcher_exit`);
+    - relaunch: the new workers were started (the agent forked them: its log in `consoles`,
+      by default the run's console.log; the supervisor's `launch`);
     - start: the first `start` of the new round (the workers initialized, before the resume);
     - first step: the `resume` event (the commit or checkpoint is loaded and the next step is
       the first one trained); with nothing to resume from (no durable checkpoint yet, memory
@@ -361,41 +502,43 @@ def measure_restart(evs: list[dict[str, Any]], run: Path, stack: str,
       from (at most commit/log interval steps trained);
     - caught up: the first one past the fault step (what the fault cost in all).
 
-    The resume source is checked: memory for ours, durable (or scratch, while there is no
-    durable checkpoint) for the memory tier off; anything else is an `error` (main fails)."""
+    The resume source is checked: `expected`, by default memory for ours, durable (or
+    scratch, while there is no durable checkpoint) for the memory tier off; anything else is
+    an `error` (main fails)."""
     fired = list(run.glob(".fault-*"))
     if not fired:
         return {"error": "the fault never happened"}
-    t0 = min(float(p.read_text().split()[0]) for p in fired)
+    t0 = t_fault or min(float(p.read_text().split()[0]) for p in fired)
     fault_step = min(int(p.name.rsplit("-s", 1)[1]) for p in fired)
     after = [e for e in evs if e["ts"] >= t0]
     starts = [e["ts"] for e in after if e["event"] == "start" and e["rank"] >= 0]
     if not starts:
         return {"error": "no restart after the fault"}
     round_ = [e for e in after if e["ts"] >= starts[0]]
-    if kind == "mpi":
+    if kind in ("mpi", "horovod_driver"):
         t_launcher = next((e["ts"] for e in after if e["event"] == "launcher_exit"), None)
         t_relaunch = next((e["ts"] for e in after if e["event"] == "launch"), None)
     else:
-        agent = [(t, w) for t, w in agent_log_times(run / "console.log",
-                                                      time.localtime(t0).tm_year)
-                 if t >= t0 - 0.001]  # the log has milliseconds
+        agent = sorted((t, w) for c in consoles or [run / "console.log"]
+                       for t, w in agent_log_times(c, time.localtime(t0).tm_year)
+                       if t >= t0 - 0.001)  # the log has milliseconds
         t_launcher = next((t for t, w in agent if w.startswith("Worker")), None)
         t_relaunch = next((t for t, w in agent if w.startswith("Starting")), None)
     trained = [e for e in round_ if e["event"] in ("progress", "commit", "memory_commit")]
     resumes = [e for e in round_ if e["event"] == "resume"]
+    fetched_by = None  # source peer: the ranks that fetched the copy
     if resumes:
         r = resumes[0]
         source, from_step, t_first = r["source"], r["from_step"], r["ts"]
-        durable_step = r.get("durable_step")
+        durable_step, fetched_by = r.get("durable_step"), r.get("fetched_by")
     else:  # the round's starts up to its first step (never a later round's)
         first_trained = min([e["ts"] for e in trained] + [math.inf])
         source, from_step, durable_step = "scratch", 0, -1
         t_first = max(e["ts"] for e in round_ if e["event"] == "start" and e["rank"] >= 0
                       and e["ts"] < first_trained)
-    wrong = None if source in EXPECTED_SOURCE[stack] else (
-        f"resumed from {source} (step {from_step}), expected "
-        f"{' or '.join(EXPECTED_SOURCE[stack])}")
+    expected = expected or EXPECTED_SOURCE[stack]
+    wrong = None if source in expected else (
+        f"resumed from {source} (step {from_step}), expected {' or '.join(expected)}")
 
     def since(t: float | None) -> float | None:
         return None if t is None else round(t - t0, 3)
@@ -414,6 +557,7 @@ def measure_restart(evs: list[dict[str, Any]], run: Path, stack: str,
         "first_trained_s": since(trained_past(from_step)),
         "caught_up_s": since(trained_past(fault_step)),
         "finished": any(e["event"] == "done" for e in evs),
+        **({"fetched_by": fetched_by} if fetched_by else {}),
         **({"error": wrong} if wrong else {}),
     }
 
@@ -516,7 +660,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--vanilla-repeats", type=int, default=3,
                    help="also the repeats of the durable-only runs (memory tier off)")
-    p.add_argument("--only", default="", help="comma-separated scenario names")
+    p.add_argument("--only", default="", help="comma-separated scenario names: " + ", ".join(
+        sc.name for sc in scenarios()))
     p.add_argument("--vanilla-skip", default="",
                    help="comma-separated scenario names to run without their vanilla runs")
     p.add_argument("--timeout", type=float, default=240.0, help="per run")
@@ -524,6 +669,9 @@ def main() -> int:
     p.add_argument("--keep", action="store_true", help="keep run folders")
     a = p.parse_args()
     only = {s for s in a.only.split(",") if s}
+    unknown = only - {sc.name for sc in scenarios()}
+    if unknown:
+        p.error(f"--only: no scenario {', '.join(sorted(unknown))} (see --help)")
     skip = {s for s in a.vanilla_skip.split(",") if s}
     work = Path(tempfile.mkdtemp(prefix="hvd-resilient-recovery-"))
     failed: list[str] = []  # restart scenarios that resumed from the wrong place
