@@ -179,7 +179,7 @@ def _cmd_show(mgr: CheckpointManager, args: argparse.Namespace, out: TextIO) -> 
     out.write(f"size:            {human_bytes(info.total_bytes)} ({info.total_bytes} bytes)\n")
     out.write("files:\n")
     for name, f in sorted(info.files.items()):
-        out.write(f"  {name}  {f.size} bytes  sha256 {f.sha256}\n")
+        out.write(f"  {name}  {f.size} bytes  {f.algorithm} {f.digest}\n")
     if info.meta:
         out.write(f"meta:            {json.dumps(info.meta, sort_keys=True)}\n")
     return 0

@@ -3,8 +3,9 @@
 The invariants this module protects:
 
 - files first, manifest last: a checkpoint becomes visible only once all its bytes are stored;
-- a checkpoint is loaded only after every file's size and sha256 match its manifest; a bad one
-  is reported and skipped, and the next older one is tried;
+- a checkpoint is loaded only after every file's size and digest (by the algorithm its manifest
+  names: xxh3-128, sha256 for older checkpoints) match its manifest; a bad one is reported and
+  skipped, and the next older one is tried;
 - a store outage is NOT corruption: it propagates instead of silently falling back to an older
   checkpoint (which would lose progress and, after a prune, lose the newer one for good);
 - pruning never removes the newest verified checkpoint, and retracts a manifest before the
@@ -16,13 +17,12 @@ The invariants this module protects:
 - one verification: ``ckpt verify``, resume and retention accept exactly the same checkpoints.
   A manifest is read only through :meth:`CheckpointInfo.from_json` (its own checksum, no
   duplicate keys, valid file names) and a file is checked only by :meth:`CheckpointManager.
-  check_file` (size and sha256 against the manifest).
+  check_file` (size and digest against the manifest).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import re
@@ -33,6 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from hvd_resilient.checkpoint.digest import DEFAULT, hex_digest
 from hvd_resilient.checkpoint.host_buffers import HostBufferPool
 from hvd_resilient.checkpoint.manifest import (
     MANIFEST_NAME,
@@ -75,7 +76,7 @@ class CheckpointError(HvdResilientError):
 class CheckpointCorruptError(CheckpointError):
     """A checkpoint's stored bytes do not match its manifest (missing, resized or altered).
 
-    ``reason`` is the short cause, e.g. ``"state.pt sha256 mismatch"``.
+    ``reason`` is the short cause, e.g. ``"state.pt xxh3_128 mismatch"``.
     """
 
     def __init__(self, prefix: str, reason: str) -> None:
@@ -131,11 +132,6 @@ def emit(on_event: EventFn | None, name: str, fields: dict[str, Any]) -> None:
         on_event(name, fields)
     except Exception:
         logger.exception("on_event(%r) raised; event dropped", name)
-
-
-def sha256_hex(data: Buffer) -> str:
-    # hashlib releases the GIL on large buffers, so this overlaps with network I/O.
-    return hashlib.sha256(data).hexdigest()
 
 
 @dataclass
@@ -265,10 +261,10 @@ class CheckpointManager:
             self.store.delete([f"{prefix}/{MANIFEST_NAME}"])
 
     def store_files(self, prefix: str, files: Mapping[str, Buffer]) -> dict[str, FileEntry]:
-        """Stores ``files`` under ``prefix`` (hashing each while it uploads) and returns their
-        manifest entries. No manifest: see :meth:`publish`. Unless this manager's
-        :meth:`begin` checked the folder, it is checked here first (sharded saves: every rank
-        stores its own files).
+        """Stores ``files`` under ``prefix`` (hashing each by the default digest while it
+        uploads) and returns their manifest entries. No manifest: see :meth:`publish`. Unless
+        this manager's :meth:`begin` checked the folder, it is checked here first (sharded
+        saves: every rank stores its own files).
 
         Raises:
             ValueError: ``prefix`` is not a checkpoint folder (``step_dir(step)``).
@@ -284,9 +280,9 @@ class CheckpointManager:
         with ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash") as hasher:
             for name, data in files.items():
                 view = memoryview(data).cast("B")
-                digest = hasher.submit(sha256_hex, view)
+                digest = hasher.submit(hex_digest, view, DEFAULT)
                 self.store.put(f"{prefix}/{name}", view)
-                entries[name] = FileEntry(size=len(view), sha256=digest.result())
+                entries[name] = FileEntry(len(view), digest.result(), DEFAULT)
         return entries
 
     def publish(
@@ -409,10 +405,10 @@ class CheckpointManager:
     def check_file(
         self, info: CheckpointInfo, name: str, buffers: HostBufferPool | None = None
     ) -> tuple[Buffer | None, str]:
-        """Fetch file ``name`` of ``info`` and check its size and sha256 against the
-        manifest: ``(data, "")``, or ``(None, problem)`` such as ``"state.pt sha256
-        mismatch"``. The one check of a file behind :meth:`verify`, :meth:`load` and sharded
-        loads; ``buffers`` (internal) reuses download memory.
+        """Fetch file ``name`` of ``info`` and check its size and digest (by the algorithm
+        its entry names) against the manifest: ``(data, "")``, or ``(None, problem)`` such as
+        ``"state.pt xxh3_128 mismatch"``. The one check of a file behind :meth:`verify`,
+        :meth:`load` and sharded loads; ``buffers`` (internal) reuses download memory.
 
         Raises:
             StoreError: the store failed (an outage is not corruption).
@@ -420,13 +416,14 @@ class CheckpointManager:
         entry = info.files[name]
         out = None if buffers is None else buffers.borrow(entry.size)
         try:
-            data, digest = self.store.get_hashed(info.key(name), entry.size, out)
+            data, digest = self.store.get_hashed(info.key(name), entry.size, out,
+                                                 algorithm=entry.algorithm)
         except StoreNotFoundError:
             problem = file_problem(name, entry, missing=True)
         except SizeMismatchError:
             problem = file_problem(name, entry, size=-1)
         else:
-            problem = file_problem(name, entry, sha256=digest)
+            problem = file_problem(name, entry, digest=digest)
             if not problem:
                 return data, ""
         return None, problem
@@ -475,7 +472,7 @@ class CheckpointManager:
         return problems
 
     def load(self, info: CheckpointInfo, decode: Decode | None = None) -> dict[str, Any]:
-        """Fetch every file of ``info``, checking sizes and sha256 while loading.
+        """Fetch every file of ``info``, checking sizes and digests while loading.
 
         ``decode(name, data)``, when given, turns each file into what is returned for it
         (``torch.load``, say). It runs in the caller's thread on verified bytes only, while
@@ -627,7 +624,8 @@ class CheckpointManager:
         return moved
 
     def _digest(self, key: str) -> str:
-        return sha256_hex(self.store.get(key))
+        """A fingerprint to tell whether two stored copies hold the same bytes."""
+        return hex_digest(self.store.get(key))
 
     def _move(self, step: int, keys: list[str], tag: str) -> None:
         src = step_dir(step)
@@ -696,14 +694,15 @@ class CheckpointManager:
 
 
 def file_problem(name: str, entry: FileEntry, *, missing: bool = False, size: int | None = None,
-                 sha256: str | None = None) -> str:
+                 digest: str | None = None) -> str:
     """What is wrong with file ``name`` against its manifest ``entry``, "" if nothing: the
     wording every verification reports (``state.pt missing``, ``... size differs from the
-    manifest's N bytes``, ``... sha256 mismatch``). ``size`` -1: it differed (not known)."""
+    manifest's N bytes``, ``... xxh3_128 mismatch``, naming the entry's algorithm). ``size``
+    -1: it differed (not known); ``digest``: computed by ``entry.algorithm``."""
     if missing:
         return f"{name} missing"
     if size is not None and size != entry.size:
         return f"{name} size differs from the manifest's {entry.size} bytes"
-    if sha256 is not None and sha256 != entry.sha256:
-        return f"{name} sha256 mismatch"
+    if digest is not None and digest != entry.digest:
+        return f"{name} {entry.algorithm} mismatch"
     return ""

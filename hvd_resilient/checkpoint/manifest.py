@@ -1,16 +1,25 @@
 """The checkpoint layout and its manifest.
 
 Layout: ``<base>/step-<10-digit step>/<files...>`` plus ``manifest.json``, written LAST. The
-manifest holds every file's size and sha256, so a checkpoint whose upload died halfway (no
+manifest holds every file's size and digest, so a checkpoint whose upload died halfway (no
 manifest) does not exist, and one whose bytes rotted afterwards (checksum mismatch) is
 detected before it is loaded.
+
+Each file's entry names its digest's algorithm by its key: ``{"size": N, "xxh3_128": "<32
+hex>"}`` since format ``/3``, ``{"size": N, "sha256": "<64 hex>"}`` before. A reader verifies
+with the algorithm the entry names (:mod:`~hvd_resilient.checkpoint.digest`), so old
+checkpoints keep their sha256 check. A manifest is written in the oldest format that can
+hold it: ``/3`` only once an entry is not sha256, so an older version refuses it as newer
+(and never mistakes it for a torn folder to overwrite or prune) instead of failing on a
+missing ``sha256``.
 
 The manifest checks itself too: ``manifest_sha256`` is the sha256 of the manifest's own bytes
 with that value replaced by 64 zeros, so ANY change of a byte (a flipped bit included) is
 refused on every read, and a duplicated key is refused by the parser (JSON would keep the last
 one). Manifests of format ``/1`` (written before the field existed) carry no such checksum and
-still load; a new manifest is format ``/2``, two bits away from ``/1``, so no single flip turns
-it into an old one that skips the check.
+still load; any manifest carrying the field is checked whatever format it claims, so no single
+flip of the format turns a newer manifest into an old one that skips the check. The manifest's
+own checksum stays sha256: it is a few KB, and changing it would change every format.
 
 Two layouts share this manifest: ``replicated`` (rank 0 wrote the whole state)
 and ``sharded`` (FSDP: every rank wrote its own shard files under ``shards/`` with
@@ -20,7 +29,6 @@ Manifests from before the field existed are replicated.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import re
@@ -29,13 +37,18 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
+from hvd_resilient.checkpoint.digest import ALGORITHMS, SHA256, check_hex
 from hvd_resilient.checkpoint.stores import validate_key
 
 MANIFEST_NAME = "manifest.json"
-FORMAT = "hvd_resilient.checkpoint/2"
-"""Manifests written now: they carry :data:`CHECKSUM_FIELD`."""
+FORMAT = "hvd_resilient.checkpoint/3"
+"""Manifests written now: :data:`CHECKSUM_FIELD`, and file digests other than sha256."""
+SHA256_FORMAT = "hvd_resilient.checkpoint/2"
+"""Manifests with :data:`CHECKSUM_FIELD` whose files all have sha256 digests: what versions
+before xxh3-128 wrote, and what is still written for such files (older versions read it)."""
 LEGACY_FORMAT = "hvd_resilient.checkpoint/1"
 """Manifests written before the self-checksum existed; still read (without that check)."""
+_FORMATS = (FORMAT, SHA256_FORMAT, LEGACY_FORMAT)
 CHECKSUM_FIELD = "manifest_sha256"
 _ZEROS = "0" * 64
 REPLICATED, SHARDED = "replicated", "sharded"
@@ -87,10 +100,40 @@ def torch_version() -> str:
 
 @dataclass(frozen=True)
 class FileEntry:
-    """One stored file of a checkpoint."""
+    """One stored file of a checkpoint: its size and its digest by ``algorithm`` (one of
+    :data:`~hvd_resilient.checkpoint.digest.ALGORITHMS`).
+
+    ``algorithm`` defaults to sha256 because a two-field entry always meant that; saves pass
+    the digest module's ``DEFAULT``. The digest is checked against the algorithm here, so an
+    xxh3 digest can never be filed as a sha256 one (it would fail every verification).
+
+    Raises:
+        ValueError: an unknown algorithm or a digest that is not its hex form.
+    """
 
     size: int
-    sha256: str
+    digest: str
+    algorithm: str = SHA256
+
+    def __post_init__(self) -> None:
+        check_hex(self.digest, self.algorithm)
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest entry: the algorithm is the key of its digest."""
+        return {"size": self.size, self.algorithm: self.digest}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> FileEntry:
+        """Parse one manifest entry: exactly one digest of a known algorithm.
+
+        Raises:
+            ValueError, TypeError, KeyError, AttributeError: malformed (the caller words it).
+        """
+        found = [a for a in ALGORITHMS if a in doc]
+        if len(found) != 1:
+            raise ValueError(f"expected one digest ({' or '.join(ALGORITHMS)}) per file, "
+                             f"found {found or 'none'}")
+        return cls(size=_int(doc["size"]), digest=doc[found[0]], algorithm=found[0])
 
 
 @dataclass(frozen=True)
@@ -131,13 +174,22 @@ class CheckpointInfo:
         return f"{self.prefix}/{name}"
 
     def to_json(self, *, legacy: bool = False) -> bytes:
-        """The manifest's bytes: format ``/2`` with its own checksum (see the module doc).
+        """The manifest's bytes with its own checksum (see the module doc), in format ``/3``,
+        or ``/2`` when every file has a sha256 digest (byte for byte what versions before
+        xxh3-128 wrote).
 
         ``legacy=True`` writes what versions before the checksum wrote (format ``/1``, no
         checksum): for tests and for tools that must feed an older reader.
+
+        Raises:
+            ValueError: ``legacy`` with a file whose digest is not sha256 (format ``/1``
+                cannot hold it).
         """
+        sha256_only = all(f.algorithm == SHA256 for f in self.files.values())
+        if legacy and not sha256_only:
+            raise ValueError(f"format {LEGACY_FORMAT!r} holds sha256 digests only")
         doc: dict[str, Any] = {
-            "format": LEGACY_FORMAT if legacy else FORMAT,
+            "format": LEGACY_FORMAT if legacy else SHA256_FORMAT if sha256_only else FORMAT,
             "layout": self.layout,
             "step": self.step,
             "epoch": self.epoch,
@@ -146,7 +198,7 @@ class CheckpointInfo:
             "created": self.created,
             "library_version": self.library_version,
             "torch_version": self.torch_version,
-            "files": {k: dataclasses.asdict(v) for k, v in sorted(self.files.items())},
+            "files": {k: v.to_json() for k, v in sorted(self.files.items())},
             "meta": self.meta,
         }
         if legacy:
@@ -181,19 +233,16 @@ class CheckpointInfo:
             raise ManifestError(f"manifest {e}") from None
         fmt = doc.get("format") if isinstance(doc, dict) else None
         newer = re.fullmatch(r"hvd_resilient\.checkpoint/([1-9][0-9]{0,5})", str(fmt))
-        if newer and int(newer.group(1)) > 2:
+        if newer and int(newer.group(1)) > _version(FORMAT):
             raise NewerManifestError(f"manifest format {fmt!r} is newer than this version "
                                      f"reads ({FORMAT!r}); upgrade hvd_resilient")
-        if fmt not in (FORMAT, LEGACY_FORMAT):
-            raise ManifestError(f"manifest format is not {FORMAT!r} (nor the older "
-                                f"{LEGACY_FORMAT!r})")
-        if doc["format"] == FORMAT or CHECKSUM_FIELD in doc:
+        if fmt not in _FORMATS:
+            raise ManifestError(f"manifest format is not {FORMAT!r} (nor an older one: "
+                                f"{', '.join(map(repr, _FORMATS[1:]))})")
+        if doc["format"] != LEGACY_FORMAT or CHECKSUM_FIELD in doc:
             _check_checksum(raw, doc.get(CHECKSUM_FIELD))
         try:
-            files = {
-                _name(name): FileEntry(size=_int(f["size"]), sha256=_sha(f["sha256"]))
-                for name, f in doc["files"].items()
-            }
+            files = {_name(name): FileEntry.from_json(f) for name, f in doc["files"].items()}
             info = cls(
                 step=_int(doc["step"]),
                 epoch=_int(doc["epoch"]),
@@ -266,10 +315,8 @@ def _int(v: Any) -> int:
     return v
 
 
-def _sha(v: Any) -> str:
-    if not isinstance(v, str) or not re.fullmatch(r"[0-9a-f]{64}", v):
-        raise ValueError(f"expected a sha256 hex digest, got {v!r}")
-    return v
+def _version(fmt: str) -> int:
+    return int(fmt.rsplit("/", 1)[1])
 
 
 def new_info(

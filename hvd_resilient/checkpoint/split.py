@@ -17,7 +17,7 @@ Why raw bytes: ``torch.save`` of 1 GB costs ~1.1 s on the writer thread and ``to
 every byte into fresh memory again; here :func:`split_state` copies each tensor once, inside the
 step, into buffers the upload reads from directly, and :func:`join_state` makes tensors over the
 downloaded buffers without copying. No pickle is involved for the bulk of the bytes, and every
-byte is sha256-checked before any of it is used.
+byte is checked against its manifest digest before any of it is used.
 
 Older layouts still load: ``hvd_resilient.split/1`` (``state-00000.pt`` parts, each a
 ``torch.save``) and the single-file ``state.pt``.
@@ -177,7 +177,7 @@ def warm_buffers(state: Any, part_bytes: int = PART_BYTES,
 
 
 def decode_file(name: str, data: Any) -> Any:
-    """The ``decode`` for :meth:`CheckpointManager.load`, run on each file once its sha256
+    """The ``decode`` for :meth:`CheckpointManager.load`, run on each file once its digest
     matched: a raw part stays the downloaded buffer itself (which tells the loader never to
     recycle it: its tensors will be views of it), any other file is
     ``torch.load(weights_only=True)``-ed while later files download."""

@@ -47,7 +47,7 @@ def test_list_show_verify_prune(s3_server, s3_url) -> None:
     mgr.store.put(f"{step_dir(100)}/state.pt", data)
     code, out, _ = run("verify", s3_url)
     assert code == 1
-    assert "BAD: state.pt sha256 mismatch" in out.splitlines()[1]
+    assert "BAD: state.pt xxh3_128 mismatch" in out.splitlines()[1]
     code, out, _ = run("verify", s3_url, "--step", "200")
     assert code == 0 and len(out.splitlines()) == 2
 

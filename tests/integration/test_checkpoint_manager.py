@@ -3,6 +3,7 @@ checkpoints are skipped (never loaded), retention keeps what it promises."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -14,16 +15,18 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import xxhash
 
 from hvd_resilient.checkpoint import (
     MANIFEST_NAME,
     CheckpointCorruptError,
     CheckpointInfo,
     CheckpointManager,
+    FileEntry,
     step_dir,
 )
 from hvd_resilient.checkpoint.manager import CheckpointExistsError
-from hvd_resilient.checkpoint.manifest import ManifestError
+from hvd_resilient.checkpoint.manifest import FORMAT, SHA256_FORMAT, ManifestError, new_info
 from tests.support.checkpoints import Events, flip_byte
 from tests.support.paths import ROOT
 
@@ -67,8 +70,9 @@ def test_manifest_is_written_last_and_describes_files(tmp_path: Path) -> None:
     doc = json.loads((tmp_path / step_dir(3) / MANIFEST_NAME).read_text())
     assert set(doc) >= {"step", "epoch", "world_size", "run_id", "created", "files",
                         "library_version", "torch_version", "meta"}
-    assert doc["files"]["state.pt"]["size"] == len(_files(3)["state.pt"])
-    assert len(doc["files"]["state.pt"]["sha256"]) == 64
+    assert doc["format"] == FORMAT
+    assert doc["files"] == {name: {"size": len(data), "xxh3_128": xxhash.xxh3_128(data).hexdigest()}
+                            for name, data in _files(3).items()}
 
 
 def test_flipped_byte_is_detected_and_skipped(url: str, caplog: pytest.LogCaptureFixture) -> None:
@@ -78,17 +82,60 @@ def test_flipped_byte_is_detected_and_skipped(url: str, caplog: pytest.LogCaptur
     bad = mgr.save(2, 0, 2, _files(2))
     flip_byte(mgr, bad.key("state.pt"))
     fresh = CheckpointManager(url, on_event=events)
-    assert fresh.verify(bad) == ["state.pt sha256 mismatch"]
-    with pytest.raises(CheckpointCorruptError, match="state.pt sha256 mismatch"):
+    assert fresh.verify(bad) == ["state.pt xxh3_128 mismatch"]
+    with pytest.raises(CheckpointCorruptError, match="state.pt xxh3_128 mismatch"):
         fresh.load(bad)
     caplog.set_level(logging.WARNING)
     info, files = fresh.load_latest()
     assert info.step == 1 and files == _files(1)
     assert events.named("checkpoint_skipped") == [{
-        "step": 2, "reason": "state.pt sha256 mismatch", "url": f"{url}/{step_dir(2)}",
+        "step": 2, "reason": "state.pt xxh3_128 mismatch", "url": f"{url}/{step_dir(2)}",
     }]
-    assert ("checkpoint step-0000000002 is corrupt (state.pt sha256 mismatch); "
+    assert ("checkpoint step-0000000002 is corrupt (state.pt xxh3_128 mismatch); "
             "falling back to an older one") in caplog.text
+
+
+def test_truncated_file_is_detected_and_skipped(url: str) -> None:
+    events = Events()
+    mgr = CheckpointManager(url, on_event=events)
+    mgr.save(1, 0, 1, _files(1))
+    bad = mgr.save(2, 0, 1, _files(2))
+    size = bad.files["state.pt"].size
+    mgr.store.put(bad.key("state.pt"), _files(2)["state.pt"][:-1])  # an upload cut short
+    problem = f"state.pt size differs from the manifest's {size} bytes"
+    assert CheckpointManager(url).verify(bad) == [problem]
+    info, files = CheckpointManager(url, on_event=events).load_latest()
+    assert info.step == 1 and files == _files(1)
+    assert [e["reason"] for e in events.named("checkpoint_skipped")] == [problem]
+
+
+def _save_as_before_xxh3(mgr: CheckpointManager, step: int, files: dict[str, bytes]) -> None:
+    """A checkpoint as versions before xxh3-128 wrote it: sha256 entries, format /2."""
+    entries = {n: FileEntry(len(d), hashlib.sha256(d).hexdigest()) for n, d in files.items()}
+    raw = new_info(step, 0, 1, entries).to_json()
+    assert json.loads(raw)["format"] == SHA256_FORMAT and b"xxh3" not in raw
+    for name, data in files.items():
+        mgr.store.put(f"{step_dir(step)}/{name}", data)
+    mgr.store.put(f"{step_dir(step)}/{MANIFEST_NAME}", raw)
+
+
+def test_sha256_manifests_still_verify_and_reject_a_corrupt_file(url: str) -> None:
+    events = Events()
+    mgr = CheckpointManager(url, on_event=events)
+    _save_as_before_xxh3(mgr, 1, _files(1))
+    _save_as_before_xxh3(mgr, 2, _files(2))
+    old = mgr.list()
+    assert [e.algorithm for i in old for e in i.files.values()] == ["sha256"] * 4
+    assert [CheckpointManager(url).verify(i) for i in old] == [[], []]
+    assert CheckpointManager(url).load_latest()[1] == _files(2)
+    flip_byte(mgr, old[1].key("state.pt"))
+    assert CheckpointManager(url).verify(old[1]) == ["state.pt sha256 mismatch"]
+    with pytest.raises(CheckpointCorruptError, match="state.pt sha256 mismatch"):
+        CheckpointManager(url).load(old[1])
+    info, files = CheckpointManager(url, on_event=events).load_latest()
+    assert info.step == 1 and files == _files(1)
+    assert [e["reason"] for e in events.named("checkpoint_skipped")] == [
+        "state.pt sha256 mismatch"]
 
 
 def test_missing_file_and_bad_manifest_are_skipped(url: str) -> None:

@@ -113,7 +113,7 @@ def test_corrupt_part_is_rejected_and_previous_checkpoint_loads(url: str) -> Non
     info, loaded = CheckpointManager(url, on_event=events).load_latest(decode=decode)
     assert info.step == 1
     _assert_same(_state(1), join_state(loaded))
-    reason = f"{part_name(1)} sha256 mismatch"
+    reason = f"{part_name(1)} xxh3_128 mismatch"
     assert [e["reason"] for e in events.named("checkpoint_skipped")] == [reason]
     # Only verified bytes were ever deserialized: step 2's part 0, then all of step 1.
     assert decoded.count(part_name(1)) == 1

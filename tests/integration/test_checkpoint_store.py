@@ -10,6 +10,7 @@ import os
 import random
 
 import pytest
+import xxhash
 
 from hvd_resilient.checkpoint.stores import (
     CheckpointStore,
@@ -115,16 +116,24 @@ def test_get_into_a_reused_buffer(store: CheckpointStore) -> None:
 
 
 @pytest.mark.parametrize("size", [3 * MiB + 5, 23 * MiB + 1])  # one GET / ranged GETs (S3)
-def test_get_hashed_matches_sha256_of_the_object(store: CheckpointStore, size: int) -> None:
+def test_get_hashed_matches_the_digest_of_the_object(store: CheckpointStore, size: int) -> None:
     data = _blob(size, seed=4)
     store.put("obj", data)
-    buf, digest = store.get_hashed("obj", size)
-    assert buf == data and digest == hashlib.sha256(data).hexdigest()
+    sha256, xxh3 = hashlib.sha256(data).hexdigest(), xxhash.xxh3_128(data).hexdigest()
+    buf, digest = store.get_hashed("obj", size)  # sha256 unless told: what data shards record
+    assert buf == data and digest == sha256
     out = memoryview(bytearray(size))
     buf, digest = store.get_hashed("obj", size, out)
-    assert buf is out and digest == hashlib.sha256(data).hexdigest()
+    assert buf is out and digest == sha256
+    buf, digest = store.get_hashed("obj", size, out, algorithm="xxh3_128")
+    assert buf is out and buf == data and digest == xxh3
+    assert store.get_hashed("obj", size, algorithm="sha256")[1] == sha256
     with pytest.raises(SizeMismatchError):
         store.get_hashed("obj", size - 1)
+    with pytest.raises(SizeMismatchError):
+        store.get_hashed("obj", size - 1, algorithm="xxh3_128")
+    with pytest.raises(ValueError, match="unknown digest algorithm 'md5'"):
+        store.get_hashed("obj", size, algorithm="md5")
 
 
 def test_s3_feeds_ranges_in_order_while_they_arrive(s3_server, s3_url) -> None:

@@ -131,7 +131,7 @@ def test_a_torn_folder_may_be_written(url: str) -> None:
     assert CheckpointManager(url).load(mgr.list()[0]) == _files(7)
     # A manifest of a newer format may be a good checkpoint of a newer version: kept.
     mgr.store.put(f"{step_dir(9)}/{MANIFEST_NAME}",
-                  b'{"format": "hvd_resilient.checkpoint/3"}')
+                  b'{"format": "hvd_resilient.checkpoint/4"}')
     with pytest.raises(CheckpointExistsError, match="newer version"):
         mgr.save(9, 0, 1, _files(9))
     assert mgr.store.list(step_dir(9)) == [f"{step_dir(9)}/{MANIFEST_NAME}"]
@@ -299,7 +299,7 @@ def test_a_rotten_checkpoint_is_moved_as_it_is(url: str) -> None:
     mgr.store.put(bad.key("state.pt"), data)
     assert mgr.supersede("t") == [5, 10]
     moved = CheckpointManager(f"{url}/t")
-    assert moved.verify(moved.list()[1]) == ["state.pt sha256 mismatch"]
+    assert moved.verify(moved.list()[1]) == ["state.pt xxh3_128 mismatch"]
     assert moved.load_latest()[0].step == 5
 
 

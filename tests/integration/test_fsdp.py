@@ -142,13 +142,13 @@ def test_fsdp_2_to_4_ranks_s3_corrupt_shard_falls_back(tmp_path, jobs, s3_url, s
     data[len(data) // 2] ^= 0xFF  # same size: only the checksum can tell
     mgr.store.put(key, data)
     code, out = ckpt("verify", s3_url, "--step", str(newest.step))
-    assert code == 1 and "BAD: shards/__1_0.distcp sha256 mismatch" in out
+    assert code == 1 and "BAD: shards/__1_0.distcp xxh3_128 mismatch" in out
 
     resumed = resume(jobs, run, 4, s3_url, previous.step)
     assert resumed["from_step"] == previous.step and resumed["saved_world_size"] == 2
     skipped = [e for e in events(run / "events.jsonl") if e["event"] == "checkpoint_skipped"]
     assert [(e["step"], e["reason"]) for e in skipped] == [
-        (newest.step, "shards/__1_0.distcp sha256 mismatch")]
+        (newest.step, "shards/__1_0.distcp xxh3_128 mismatch")]
     check_resumed_state(run, previous.step, 2, 4)
 
 

@@ -4,6 +4,8 @@ older manifests (format /1, no checksum) that users' stores still hold."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import io
 import json
 import random
@@ -12,12 +14,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from hvd_resilient.checkpoint import MANIFEST_NAME, CheckpointInfo, CheckpointManager, step_dir
+from hvd_resilient.checkpoint import (
+    MANIFEST_NAME,
+    CheckpointInfo,
+    CheckpointManager,
+    FileEntry,
+    step_dir,
+)
 from hvd_resilient.checkpoint.cli import main as ckpt_main
+from hvd_resilient.checkpoint.digest import DEFAULT, hex_digest
 from hvd_resilient.checkpoint.manifest import (
     CHECKSUM_FIELD,
     FORMAT,
     LEGACY_FORMAT,
+    SHA256_FORMAT,
     ManifestError,
 )
 from hvd_resilient.checkpoint.serialize import to_buffer
@@ -40,6 +50,14 @@ def _save(url: str) -> tuple[CheckpointManager, CheckpointInfo]:
              for n, v in files.items()}
     mgr = CheckpointManager(url)
     return mgr, mgr.save(STEP, 1, 2, blobs, run_id="flips", meta={"lr": 1e-05})
+
+
+def _as_written_before_xxh3(info: CheckpointInfo, folder: Path) -> CheckpointInfo:
+    """``info`` with the sha256 entries that versions before xxh3-128 recorded (the only
+    digest a format /1 manifest holds)."""
+    return dataclasses.replace(info, files={
+        name: FileEntry(e.size, hashlib.sha256((folder / name).read_bytes()).hexdigest())
+        for name, e in info.files.items()})
 
 
 def verify_ok(url: str) -> bool:
@@ -68,13 +86,17 @@ def _flip(data: bytes, bit: int) -> bytes:
     return bytes(out)
 
 
-def test_every_single_bit_flip_of_a_manifest_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("before_xxh3", [False, True], ids=["xxh3_128", "sha256"])
+def test_every_single_bit_flip_of_a_manifest_is_refused(tmp_path: Path, before_xxh3: bool) -> None:
     url = f"file://{tmp_path}/ckpt"
-    _save(url)
+    _, info = _save(url)
     path = tmp_path / "ckpt" / step_dir(STEP) / MANIFEST_NAME
+    if before_xxh3:  # what versions before xxh3-128 wrote, still in users' stores
+        path.write_bytes(_as_written_before_xxh3(info, path.parent).to_json())
     good = path.read_bytes()
     doc = json.loads(good)
-    assert doc["format"] == FORMAT and len(doc[CHECKSUM_FIELD]) == 64
+    assert doc["format"] == (SHA256_FORMAT if before_xxh3 else FORMAT)
+    assert len(doc[CHECKSUM_FIELD]) == 64
     assert verify_ok(url) and resumes(url)
     accepted = []
     for bit in range(len(good) * 8):
@@ -90,7 +112,8 @@ def test_legacy_manifests_still_load_and_verify_agrees_with_resume(tmp_path: Pat
     url = f"file://{tmp_path}/ckpt"
     _, info = _save(url)
     path = tmp_path / "ckpt" / step_dir(STEP) / MANIFEST_NAME
-    legacy = info.to_json(legacy=True)  # what versions before the checksum wrote
+    # what versions before the checksum wrote
+    legacy = _as_written_before_xxh3(info, path.parent).to_json(legacy=True)
     assert json.loads(legacy)["format"] == LEGACY_FORMAT and CHECKSUM_FIELD.encode() not in legacy
     path.write_bytes(legacy)
     assert verify_ok(url) and resumes(url)
@@ -109,7 +132,7 @@ def test_a_duplicated_file_name_is_refused_by_both(tmp_path: Path) -> None:
     url = f"file://{tmp_path}/ckpt"
     _, info = _save(url)
     path = tmp_path / "ckpt" / step_dir(STEP) / MANIFEST_NAME
-    legacy = info.to_json(legacy=True)
+    legacy = _as_written_before_xxh3(info, path.parent).to_json(legacy=True)
     first, second = f'"{part_name(0)}"'.encode(), f'"{part_name(1)}"'.encode()
     assert legacy.count(first) == 1 and legacy.count(second) == 1
     path.write_bytes(legacy.replace(first, second))
@@ -119,7 +142,8 @@ def test_a_duplicated_file_name_is_refused_by_both(tmp_path: Path) -> None:
 
 
 def test_a_new_manifest_without_or_with_a_moved_checksum_is_refused() -> None:
-    info = CheckpointInfo(step=1, epoch=0, world_size=1, files={}, prefix=step_dir(1))
+    info = CheckpointInfo(step=1, epoch=0, world_size=1, prefix=step_dir(1),
+                          files={"state.pt": FileEntry(3, hex_digest(b"abc"), DEFAULT)})
     raw = info.to_json()
     assert CheckpointInfo.from_json(raw, prefix=step_dir(1)) == info
     doc = json.loads(raw)
@@ -130,7 +154,9 @@ def test_a_new_manifest_without_or_with_a_moved_checksum_is_refused() -> None:
     with pytest.raises(ManifestError, match="checksum mismatch"):
         CheckpointInfo.from_json(json.dumps(json.loads(raw), indent=2, sort_keys=True).encode())
     # A checksum in an old-format manifest is checked too.
-    with pytest.raises(ManifestError, match="checksum mismatch"):
-        CheckpointInfo.from_json(raw.replace(FORMAT.encode(), LEGACY_FORMAT.encode()))
+    assert json.loads(raw)["format"] == FORMAT
+    for older in (SHA256_FORMAT, LEGACY_FORMAT):
+        with pytest.raises(ManifestError, match="checksum mismatch"):
+            CheckpointInfo.from_json(raw.replace(FORMAT.encode(), older.encode()))
     with pytest.raises(ManifestError, match="newer"):
-        CheckpointInfo.from_json(raw.replace(FORMAT.encode(), b"hvd_resilient.checkpoint/3"))
+        CheckpointInfo.from_json(raw.replace(FORMAT.encode(), b"hvd_resilient.checkpoint/4"))

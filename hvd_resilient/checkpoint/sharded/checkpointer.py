@@ -8,7 +8,7 @@ Save (collective; every rank calls :meth:`ShardedCheckpointer.save` at the same 
    on rank 0).
 2. A thread of ours then uploads the folder through the checkpoint store (``file://`` or
    ``s3://``: the same store, retries and atomic puts as replicated checkpoints), hashing each
-   file as it goes, and gathers every rank's ``(name, size, sha256)`` on rank 0.
+   file as it goes, and gathers every rank's ``(name, size, digest)`` on rank 0.
 3. Rank 0 stores its own small files (counters, sampler) and writes the manifest LAST. A
    failure on any rank is gathered too, so rank 0 writes no manifest and the checkpoint does
    not exist: ``checkpoint_failed``, never a crash.
@@ -27,7 +27,6 @@ thread, and sharing the training's group would interleave them with the step's c
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import mmap
 import os
@@ -38,6 +37,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from hvd_resilient.checkpoint.digest import new_hasher
 from hvd_resilient.checkpoint.manager import (
     CheckpointError,
     CheckpointManager,
@@ -391,10 +391,10 @@ def _check_file(path: str, name: str, entry: FileEntry) -> str:
         size = os.path.getsize(path)
         if size != entry.size:
             return file_problem(name, entry, size=size)
-        h = hashlib.sha256()
+        h = new_hasher(entry.algorithm)
         with open(path, "rb") as f:
             while chunk := f.read(_CHUNK):
                 h.update(chunk)
     except FileNotFoundError:
         return file_problem(name, entry, missing=True)
-    return file_problem(name, entry, sha256=h.hexdigest())
+    return file_problem(name, entry, digest=h.hexdigest())

@@ -9,7 +9,6 @@ transient errors, so that behaviour lives in one place and backends stay short.
 from __future__ import annotations
 
 import abc
-import hashlib
 import logging
 import os
 import random
@@ -17,6 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
+from hvd_resilient.checkpoint.digest import SHA256, new_hasher
 from hvd_resilient.checkpoint.host_buffers import allocate
 from hvd_resilient.errors import RESTARTABLE_EXIT_CODE, HvdResilientError
 from hvd_resilient.masking import mask_text, mask_url
@@ -229,8 +229,12 @@ class CheckpointStore(abc.ABC):
         self._retry("get", key, lambda: self._read_into(key, view))
         return buf
 
-    def get_hashed(self, key: str, size: int, out: memoryview | None = None) -> tuple[Buffer, str]:
-        """:meth:`get_into` plus the sha256 (hex) of the bytes read.
+    def get_hashed(
+        self, key: str, size: int, out: memoryview | None = None, *, algorithm: str = SHA256
+    ) -> tuple[Buffer, str]:
+        """:meth:`get_into` plus the hex digest of the bytes read by ``algorithm`` (one of
+        ``digest.ALGORITHMS``; checkpoints pass the one their manifest entry names, the
+        default sha256 is what data shard indexes record).
 
         Where a backend reads an object as ordered pieces (S3: one stream for a small object,
         ranges completing in order for a large one), each piece is hashed as soon as it and
@@ -238,12 +242,13 @@ class CheckpointStore(abc.ABC):
         A retried read starts a fresh hash.
 
         Raises:
-            The same as :meth:`get_into`.
+            ValueError: an unknown ``algorithm`` (before any byte is read).
+            The rest as :meth:`get_into`.
         """
         buf, view = self._destination(key, size, out)
 
         def attempt() -> str:
-            h = hashlib.sha256()
+            h = new_hasher(algorithm)
             if not self._read_into(key, view, h.update):
                 h.update(view)
             return h.hexdigest()
