@@ -197,8 +197,10 @@ class DurableCheckpoints:
         least as new as the newest durable checkpoint, else the newest verified durable one
         (rank 0 under Horovod, every rank under torchrun: there the memory tier's choice is a
         collective, and nothing before it may raise)."""
+        if self.memory is None or not self.memory.enabled:  # one scan of the store: load_latest's
+            return self._resume_durable()
         floor = self._durable_floor()
-        found = self.memory.newest(floor) if self.memory is not None else None
+        found = self.memory.newest(floor)
         if found is not None:
             i = found.info
             self._apply(found.files, i.step, i.world_size)
