@@ -13,7 +13,7 @@ For states of ``--sizes`` MB (10 float32 tensors each), median of ``--repeats``:
   boto3 of the same bytes as one object: ``put_object`` and ``upload_fileobj`` with a
   TransferConfig of the same part size and threads; the better of the two is the bar.
 - restore: what a resume does, from the newest manifest to a state dict in memory: list,
-  manifest, every file downloaded and its sha256 verified, tensors made over the raw parts'
+  manifest, every file downloaded and its digest verified, tensors made over the raw parts'
   bytes (the small index through ``torch.load(weights_only=True)``). The bar ("raw
   download") is the BEST of four plain downloads of the same bytes with the same client, part
   size and threads, nothing else done to them: the checkpoint's files through the store (as
@@ -108,7 +108,7 @@ def _cpu_timed(
 
 def _plain_files_get(mgr: CheckpointManager, info: CheckpointInfo) -> None:
     """Every file of ``info`` with the store's ranged GETs, as many files in flight as a
-    restore keeps, but nothing else: no sha256, no torch.load (a fair raw download)."""
+    restore keeps, but nothing else: no digest, no torch.load (a fair raw download)."""
     with ThreadPoolExecutor(READ_AHEAD) as pool:
         list(pool.map(lambda n: mgr.store.get_into(info.key(n), info.files[n].size),
                       sorted(info.files)))

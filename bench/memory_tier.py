@@ -12,7 +12,7 @@ restore from it is (not a test; one process, no store server).
 2. Restore of a 1 GiB state (``--state-mb`` of float32 in 8 tensors) into a model of the
    same shapes, GB/s (1 GB = 1e9 bytes): (a) memory tier ``read`` + ``join_state``,
    (b) (a) + ``load_state_dict``, (c) the durable path from a ``file://`` CheckpointManager
-   on ``/dev/shm`` (``load_latest(decode=decode_file)`` + ``join_state``: sha256-bound),
+   on ``/dev/shm`` (``load_latest(decode=decode_file)`` + ``join_state``, xxh3-128 digests),
    (c') (c) + ``load_state_dict``, (d) the reference: a copy of the 1 GiB into fresh memory.
    Shown to explain (a): the plain read of the data file into fresh memory (what ``read``
    does before its digests) and xxh3-128 over 1 GiB in memory. Also the write stall per GB
@@ -507,7 +507,7 @@ def tables(lm: dict[str, Any], big: dict[str, Any]) -> str:
              bold=True),
         line("(b) (a) + `load_state_dict`", "b_memory_read_join_load", "read", "join",
              "load_state_dict", bold=True),
-        line("(c) durable `file://` on /dev/shm: `load_latest` (sha256) + `join_state`",
+        line("(c) durable `file://` on /dev/shm: `load_latest` (xxh3) + `join_state`",
              "c_durable_load_join", "durable_load", "durable_join"),
         line("(c') (c) + `load_state_dict`", "c_durable_load_join_load", "durable_load",
              "durable_join", "durable_load_state_dict"),
