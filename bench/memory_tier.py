@@ -267,26 +267,32 @@ def _copy_into_file(path: str, tensors: list[torch.Tensor], populate: bool) -> N
         m.close()
 
 
-def restore_child(root: str, step: int, shapes: list[int], threads: int) -> None:
+def restore_child(root: str, step: int, shapes: list[int], mode: str) -> None:
     """A restart's restore: the first read of a process that has just started (its memory is
-    fresh to it, which a benchmark loop inside one process never sees again). Prints the
+    fresh to it, which a benchmark loop inside one process never sees again). ``mode``:
+    ``all`` (every core, as ``read`` does), ``one`` (one thread), ``raw`` (the reference: the
+    data file read into fresh memory on every core, nothing verified or built). Prints the
     times of read, join and ``load_state_dict`` into a model built beforehand, as JSON."""
     from hvd_resilient.checkpoint.memory import segments
 
-    if threads:
-        segments._read_threads = lambda: threads  # type: ignore[assignment]
+    if mode == "one":
+        segments._read_threads = lambda: 1  # type: ignore[assignment]
     target = Big(shapes)
     d = SegmentDir(root, "big", "replicated")
     S = Samples()
-    _, files = S.timed("fresh_read", d.read, step)
-    sd = S.timed("fresh_join", join_state, files)
-    S.timed("fresh_load_state_dict", target.load_state_dict, sd)
+    if mode == "raw":
+        S.timed("fresh_raw_read", segments._read_whole, d.file(step, ".data"))
+    else:
+        _, files = S.timed("fresh_read", d.read, step)
+        sd = S.timed("fresh_join", join_state, files)
+        S.timed("fresh_load_state_dict", target.load_state_dict, sd)
     print(json.dumps({k: [S.wall[k][0], S.cpu[k][0]] for k in S.wall}))
 
 
-def _restart_restore(root: str, step: int, shapes: list[int], threads: int) -> dict[str, float]:
+def _restart_restore(root: str, step: int, shapes: list[int], mode: str
+                     ) -> dict[str, list[float]]:
     out = subprocess.run([sys.executable, __file__, "--restore-child", root, str(step),
-                          ",".join(map(str, shapes)), str(threads)],
+                          ",".join(map(str, shapes)), mode],
                          capture_output=True, text=True, timeout=600, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -364,13 +370,14 @@ def bench_restore(root: str, args: argparse.Namespace) -> dict[str, Any]:
     # (e): a restart's restore, in a process of its own: read on every core (as ``read`` does),
     # and on one thread (what it did before)
     for i in range(r):
-        for threads, suffix in ((0, ""), (1, "_1thread")):
-            got = _restart_restore(root, newest, shapes, threads)
+        for mode, suffix in (("all", ""), ("one", "_1thread"), ("raw", "")):
+            got = _restart_restore(root, newest, shapes, mode)
             for key, (wall, cpu) in got.items():
                 S.add(key + suffix, wall, cpu)
         print(f"# {label} restart restore {i + 1}/{r}: read "
               f"{S.wall['fresh_read'][-1]:.3f} s (one thread "
-              f"{S.wall['fresh_read_1thread'][-1]:.3f} s)", file=sys.stderr, flush=True)
+              f"{S.wall['fresh_read_1thread'][-1]:.3f} s, raw "
+              f"{S.wall['fresh_raw_read'][-1]:.3f} s)", file=sys.stderr, flush=True)
     # the write into a recycled file as begin does it, and with MAP_POPULATE (this garbles
     # the newest segment's bytes: it is removed right after)
     for _ in range(r):
@@ -422,6 +429,7 @@ def bench_restore(root: str, args: argparse.Namespace) -> dict[str, Any]:
         "e_restart_read_join": ("fresh_read", "fresh_join"),
         "e_restart_read_join_load": ("fresh_read", "fresh_join", "fresh_load_state_dict"),
         "e_restart_read_join_1thread": ("fresh_read_1thread", "fresh_join_1thread"),
+        "e_restart_raw_read": ("fresh_raw_read",),
         **{k: (k,) for k in ("raw_copy_touched", "raw_copy_fresh_huge", "fault_in_fresh",
                              "file_read_fresh", "file_read_touched", "file_read_fresh_huge",
                              "xxh3", "load_state_dict")},
@@ -517,6 +525,8 @@ def tables(lm: dict[str, Any], big: dict[str, Any]) -> str:
              "fresh_join", "fresh_load_state_dict"),
         line("what if: (e) on one thread", "e_restart_read_join_1thread", "fresh_read_1thread",
              "fresh_join_1thread"),
+        line("(e'') reference: the data file read into a new process's fresh memory (every "
+             "core, nothing verified)", "e_restart_raw_read", "fresh_raw_read"),
         line("(d) reference: copy into fresh memory (4 KB pages, as `read` allocates)",
              "d_raw_copy_fresh", "raw_copy_fresh"),
         line("copy into fresh memory with MADV_HUGEPAGE", "raw_copy_fresh_huge",
@@ -574,12 +584,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--shm", default="/dev/shm")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "memory_tier.json"))
-    p.add_argument("--restore-child", nargs=4, metavar=("ROOT", "STEP", "SHAPES", "THREADS"),
+    p.add_argument("--restore-child", nargs=4, metavar=("ROOT", "STEP", "SHAPES", "MODE"),
                    help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.restore_child:
-        root, step, shapes, threads = args.restore_child
-        restore_child(root, int(step), [int(n) for n in shapes.split(",")], int(threads))
+        root, step, shapes, mode = args.restore_child
+        restore_child(root, int(step), [int(n) for n in shapes.split(",")], mode)
         return 0
     if args.repeats < 5 or args.lm_commits < 5:
         p.error("take medians of at least 5 repeats")
