@@ -100,3 +100,29 @@ def _status(pid: int) -> str:
         return psutil.Process(pid).status()
     except psutil.Error:
         return "gone"
+
+
+@pytest.mark.ci_chaos
+def test_a_host_whose_link_goes_down_for_good_is_dropped_and_stops_itself(chaos):
+    """Power-off style: the link goes down and never comes back. The survivors evict the host
+    in seconds and finish at 2 (the health filter keeps the unreachable host out of
+    discovery, so it is never readmitted); the cut-off worker exits by itself, while still
+    cut off, without writing a line beside the survivors."""
+    c = chaos.cluster(3)
+    run = ElasticRun(chaos, c, "link-down", expect_sizes=[3, 2], steps_at_each=60,
+                     health_filter=True, supervised=0)
+    run.wait_commit(3, min_step=20)
+    host = run.host_of_rank(2)
+    assert host != run.host_of_rank(0)
+    cut_pid = run.pid_of_rank(2)
+    t0 = run.marks["fault"] = c.partition(host)
+    run.wait(lambda: not psutil.pid_exists(cut_pid) or _status(cut_pid) == "zombie", 60,
+             "the cut-off worker to exit by itself")
+    numbers = run.check([3, 2])
+    numbers.update(run.timings())
+    run.report(numbers)
+    assert numbers["failure_detected_first_s"] < GLOO_TIMEOUT_S, numbers
+    evs = run.events()
+    assert not [e for e in evs if e["rank"] == 2 and e["ts"] > t0 + 0.5], \
+        "the cut-off worker wrote after it was evicted"
+    assert not [e for e in evs if e["event"] == "start" and e["ts"] > t0], "the host rejoined"
