@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from hvd_resilient.checkpoint.host_buffers import allocate
+from hvd_resilient.checkpoint.host_buffers import allocate, populate_pages
 
 FORMAT = "hvd_resilient.memory/1"
 ALIGN = 4096
@@ -135,9 +135,9 @@ class _FileBuffers:
             self.offsets.append(pos)
             pos = _aligned(pos + n)
         self.path = self._prepare(max(pos, 1))
-        with open(self.path, "r+b") as f:  # pages mapped at once, not one fault each
-            self.map = mmap.mmap(f.fileno(), max(pos, 1),
-                                 flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        with open(self.path, "r+b") as f:
+            self.map = mmap.mmap(f.fileno(), max(pos, 1), flags=mmap.MAP_SHARED)
+        populate_pages(self.map)  # pages mapped at once, not one fault each; GIL released
         view = memoryview(self.map)
         return [view[o:o + n] for o, n in zip(self.offsets, sizes, strict=True)]
 

@@ -35,15 +35,15 @@ LLAMA3 = "published: Llama 3 (arXiv:2407.21783, Table 5; 54 days x 16,384 GPUs)"
 LLAMA3_KGPU_DAYS = 16_384 * 54 / 1000.0
 """The exposure behind the Llama 3 counts, in thousands of GPU-days (884.7)."""
 
-CHECKPOINT_BENCH = "measured: bench/results/checkpoint.json (commit 637a6a9), linear fit"
+CHECKPOINT_BENCH = "measured: bench/results/checkpoint.json (commit def9892), linear fit"
 CHECKPOINT_FIT: dict[str, tuple[float, float]] = {
     # name: (seconds at 0 GB, seconds per GB); least squares over the 10 MB, 100 MB and 1 GB
     # medians of `bench/checkpoint_bench.py` (one writer, SeaweedFS on loopback, 2 cores).
     # `calibrate.checkpoint_fit` recomputes these from the JSON; a unit test keeps them equal.
-    "ckpt_async_stall_s": (0.0019, 0.1708),
-    "ckpt_sync_s": (0.0214, 10.1028),
-    "ckpt_upload_s": (-0.0179, 9.3310),
-    "restore_s": (0.0184, 2.0202),
+    "ckpt_async_stall_s": (-0.0017, 0.1344),
+    "ckpt_sync_s": (-0.0299, 8.2554),
+    "ckpt_upload_s": (-0.0105, 6.8825),
+    "restore_s": (0.0054, 1.6571),
 }
 
 
