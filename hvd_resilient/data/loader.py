@@ -564,8 +564,13 @@ class ElasticLoader:
                             self.dataset.release(batch.seq)
                         if not self._deliver(batch):
                             return
-                except RuntimeError as e:
-                    if "DataLoader worker" not in str(e) or self._closed:
+                except (RuntimeError, ConnectionError, EOFError) as e:
+                    # a dead worker shows as torch's "DataLoader worker ... exited", or, when
+                    # it died after queueing a batch whose tensors travel as file descriptors
+                    # (torch's file_descriptor sharing), as the reset of the connection that
+                    # was to hand them over: a worker loss either way
+                    if self._closed or (isinstance(e, RuntimeError)
+                                        and "DataLoader worker" not in str(e)):
                         raise
                     losses_here += 1
                     self.worker_losses += 1
