@@ -184,16 +184,25 @@ class Heartbeat:
                 self._last[pid] = now
 
 
+STOPPED = ("T", "t")
+"""Process states of a stopped process (SIGSTOP, a debugger)."""
+
+
+def process_state(pid: int) -> str:
+    """The process's state letter from /proc (R, S, D, T, Z, ...); "" when it cannot be read
+    (gone, or not this machine's /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
 def _alive_here(p: Peer, machine: str) -> bool:
     """True when `p` runs on `machine` (this one) and its process is not stopped."""
     if not machine or p.machine != machine:
         return False
-    try:
-        with open(f"/proc/{p.pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("T", "t", "Z", "X")
+    return process_state(p.pid) not in ("", *STOPPED, "Z", "X")
 
 
 def probe(address: tuple[str, int], timeout: float = 0.5) -> bool:

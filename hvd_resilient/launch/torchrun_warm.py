@@ -109,16 +109,6 @@ def stop_restarts_on_fatal() -> None:
     LocalElasticAgent._monitor_workers = monitor_and_stop  # type: ignore[method-assign]
 
 
-def _stopped(pid: int) -> bool:
-    """Whether the process is stopped (SIGSTOP, a debugger): state T or t in /proc."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rfind(b")") + 2:][:1] in (b"T", b"t")
-
-
 def kill_stopped_workers_first() -> None:
     """When the agent stops its workers (another node's worker failed, or a peer found one
     of ours frozen and left), a stopped worker is SIGKILLed at once instead of being sent
@@ -130,6 +120,8 @@ def kill_stopped_workers_first() -> None:
 
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
+    from hvd_resilient.backends.heartbeat import STOPPED, process_state
+
     shutdown = LocalElasticAgent._shutdown
 
     def kill_stopped_then_shutdown(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -139,7 +131,7 @@ def kill_stopped_workers_first() -> None:
         except Exception:  # noqa: BLE001 - no workers (yet): nothing to check
             pids = []
         for pid in pids:
-            if _stopped(pid):
+            if process_state(pid) in STOPPED:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
