@@ -3,10 +3,17 @@
 A process stopped by SIGSTOP (or a paused VM) keeps its connections: its kernel still ACKs, so
 nothing hangs up. A host that loses power or its network sends nothing at all. Both leave every
 peer blocked in a collective until the Gloo timeout. So each worker runs one small thread that
-sends a UDP datagram to a few peers every `interval_s` and expects one back: the ranks within two
-places of it on the ring (every peer in a world of up to five), so the traffic per worker stays
-constant at any scale and every rank is watched by up to four others. A peer silent for
-`timeout_s` is reported through `on_lost`, once per arming.
+sends a UDP ping to a few peers every `interval_s`: the ranks within two places of it on the
+ring (every peer in a world of up to five), so the traffic per worker stays constant at any
+scale and every rank is watched by up to four others. A peer silent for `timeout_s` is
+reported through `on_lost`, once per arming.
+
+Every ping is answered by the receiving thread at once, whoever sent it. A peer counts as
+alive when its thread runs, not when its main thread has got round to arming: after a reset
+the ranks arm one by one, and a healthy rank that took longer than `timeout_s` between the
+allgather and its own `arm` (a newcomer importing beside it on a busy machine) would
+otherwise look silent to the ranks that armed first (measured: evicted, and the job ended).
+The thread therefore starts with the object, before the first arming.
 
 The thread watches itself too: if its own loop was held up longer than twice `timeout_s` (this
 process was the frozen one), its peers have given up on it, so it reports `on_self_frozen`
@@ -35,6 +42,8 @@ from hvd_resilient.log import get
 log = get("heartbeat")
 
 INTERVAL_S = 0.2
+PING, PONG = b"p", b"r"
+"""First byte of a datagram; the rest is the sender's pid. A pong is never answered."""
 RING_REACH = 2
 """Each rank watches the ranks up to this many places away on each side."""
 
@@ -86,8 +95,12 @@ class Heartbeat:
         self._peers: list[Peer] = []
         self._last: dict[int, float] = {}
         self._judging = False
-        self._thread: threading.Thread | None = None
         self._token = str(os.getpid()).encode()
+        self._thread: threading.Thread | None = None
+        if timeout_s > 0:
+            self._thread = threading.Thread(target=self._run, name="hvd-resilient-heartbeat",
+                                            daemon=True)
+            self._thread.start()
 
     @property
     def port(self) -> int:
@@ -104,10 +117,6 @@ class Heartbeat:
             self._peers = peers
             self._last = {p.pid: now for p in peers}
             self._judging = bool(peers)
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="hvd-resilient-heartbeat",
-                                            daemon=True)
-            self._thread.start()
         return len(peers)
 
     def disarm(self) -> None:
@@ -121,7 +130,7 @@ class Heartbeat:
                 peers = list(self._peers)
             for p in peers:
                 try:
-                    self.sock.sendto(self._token, p.address)
+                    self.sock.sendto(PING + self._token, p.address)
                 except OSError:
                     pass  # unreachable now: the silence will say so
             readable, _, _ = select.select([self.sock], [], [], self.interval_s)
@@ -176,10 +185,15 @@ class Heartbeat:
         by_token = {str(p.pid).encode(): p.pid for p in self._peers}
         while True:
             try:
-                data, _ = self.sock.recvfrom(64)
+                data, sender = self.sock.recvfrom(64)
             except OSError:  # BlockingIOError: nothing more to read
                 return
-            pid = by_token.get(data)
+            if data[:1] == PING:
+                try:
+                    self.sock.sendto(PONG + self._token, sender)
+                except OSError:
+                    pass
+            pid = by_token.get(data[1:])
             if pid is not None:
                 self._last[pid] = now
 

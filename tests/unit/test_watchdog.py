@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 
@@ -74,6 +75,29 @@ def _beat(timeout: float, verdicts: list, cut_off: bool = False) -> heartbeat.He
         is_cut_off=lambda: cut_off)
 
 
+def _mute() -> socket.socket:
+    """A peer whose process does not run: its socket is there, nothing answers."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind(("127.0.0.1", 0))
+    return s
+
+
+def test_a_peer_that_has_not_armed_yet_is_alive_when_its_thread_runs():
+    """After a reset the ranks arm one by one; a healthy rank that arms late (here: never)
+    must not look silent to one that armed early: its thread answers pings from the start."""
+    verdicts: list = []
+    early = _beat(0.4, verdicts)
+    late = _beat(0.4, [])  # built (its process runs) but not armed
+    early._token, late._token = b"201", b"202"
+    early.arm(0, [heartbeat.Peer(0, ("127.0.0.1", early.port), "m", 201),
+                  heartbeat.Peer(1, ("127.0.0.1", late.port), "m", 202)])
+    deadline = time.monotonic() + 1.6  # four timeouts
+    while not verdicts and time.monotonic() < deadline:
+        time.sleep(0.05)
+    early.disarm()
+    assert verdicts == []
+
+
 def test_ring_neighbours_are_symmetric():
     for world in (2, 3, 5, 9, 100):
         for me in range(world):
@@ -86,11 +110,10 @@ def test_a_silent_peer_is_reported_and_a_talking_one_is_not():
     verdicts_a: list = []
     verdicts_b: list = []
     a, b = _beat(0.6, verdicts_a), _beat(0.6, verdicts_b)
-    silent = heartbeat.Heartbeat(0.6, on_lost=None, on_self_frozen=None, on_cut_off=None,
-                                 is_cut_off=None)  # a socket that never answers
+    silent = _mute()
     peers = [heartbeat.Peer(0, ("127.0.0.1", a.port), "m", 101),
              heartbeat.Peer(1, ("127.0.0.1", b.port), "m", 102),
-             heartbeat.Peer(2, ("127.0.0.1", silent.port), "m", 103)]
+             heartbeat.Peer(2, silent.getsockname(), "m", 103)]
     a._token, b._token = b"101", b"102"
     a.arm(0, peers)
     b.arm(1, peers)
@@ -105,10 +128,9 @@ def test_a_silent_peer_is_reported_and_a_talking_one_is_not():
 def test_when_every_peer_is_silent_the_probe_decides_cut_off():
     verdicts: list = []
     me = _beat(0.5, verdicts, cut_off=True)
-    mute = heartbeat.Heartbeat(0.5, on_lost=None, on_self_frozen=None, on_cut_off=None,
-                               is_cut_off=None)
+    mute = _mute()
     me.arm(0, [heartbeat.Peer(0, ("127.0.0.1", me.port), "m", 1),
-               heartbeat.Peer(1, ("127.0.0.1", mute.port), "m", 2)])
+               heartbeat.Peer(1, mute.getsockname(), "m", 2)])
     deadline = time.monotonic() + 5
     while not verdicts and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -131,10 +153,9 @@ def test_a_silent_peer_that_runs_on_this_machine_is_spared_a_stopped_one_is_not(
                 on_lost=lambda peers, s, v=verdicts: v.append(("lost", [p.rank for p in peers])),
                 on_self_frozen=lambda gap: None, on_cut_off=lambda peers: None,
                 is_cut_off=lambda: False)
-            mute = heartbeat.Heartbeat(0.5, on_lost=None, on_self_frozen=None, on_cut_off=None,
-                                       is_cut_off=None)
+            mute = _mute()
             me.arm(0, [heartbeat.Peer(0, ("127.0.0.1", me.port), "here", 1),
-                       heartbeat.Peer(1, ("127.0.0.1", mute.port), "here", pid)])
+                       heartbeat.Peer(1, mute.getsockname(), "here", pid)])
             deadline = time.monotonic() + 2.0
             while not verdicts and time.monotonic() < deadline:
                 time.sleep(0.05)
