@@ -22,8 +22,10 @@ this host is cut off; `is_cut_off` (a probe of the launcher's driver or store) d
 cut-off worker reports `on_cut_off` so that it stops instead of training on beside the others.
 
 What it cannot tell apart: a peer on another machine starved of CPU for longer than
-`timeout_s` looks frozen (on this machine, /proc says it is running and it is spared). Under heavy
-CPU oversubscription (containers at load 13-36 on 2 cores) raise
+`timeout_s` looks frozen. A peer that shares this process's kernel, process table and network
+(`this_view()`, whatever host name the launcher gave it: `localhost` and `127.0.0.1` are one
+machine) is looked up in /proc instead: running means starved, and it is spared. Under heavy CPU
+oversubscription (containers at load 13-36 on 2 cores) raise
 `recovery.heartbeat_timeout_seconds`.
 """
 
@@ -59,6 +61,8 @@ class Peer:
     pid: int
     slot: str = ""
     """The launcher's name for its place ("host+0:0" under Horovod): what the driver ends."""
+    view: str = ""
+    """`this_view()` of its process: which kernel, process table and network it shares."""
 
 
 def watched(me: int, world: int, reach: int = RING_REACH) -> list[int]:
@@ -84,7 +88,8 @@ class Heartbeat:
                  machine: str = "") -> None:
         self.timeout_s = timeout_s
         self.machine = machine
-        """This process's machine as peers name it: silent peers here can be looked at."""
+        """This process's machine as peers name it (for peers that do not say their view)."""
+        self.view = this_view()
         self.interval_s = interval_s
         self.on_lost, self.on_self_frozen = on_lost, on_self_frozen
         self.on_cut_off, self.is_cut_off = on_cut_off, is_cut_off
@@ -96,6 +101,7 @@ class Heartbeat:
         self._last: dict[int, float] = {}
         self._judging = False
         self._token = str(os.getpid()).encode()
+        self._closed = False
         self._thread: threading.Thread | None = None
         if timeout_s > 0:
             self._thread = threading.Thread(target=self._run, name="hvd-resilient-heartbeat",
@@ -119,13 +125,26 @@ class Heartbeat:
             self._judging = bool(peers)
         return len(peers)
 
+    def watching(self) -> int:
+        """How many peers the last `arm` named."""
+        with self._lock:
+            return len(self._peers)
+
+    def close(self) -> None:
+        """Stops the thread and closes the socket (a worker keeps both for its life; tests
+        and short-lived users do not)."""
+        self._closed = True
+        if self._thread is not None:
+            self._thread.join(timeout=5 * self.interval_s + 1)
+        self.sock.close()
+
     def disarm(self) -> None:
         with self._lock:
             self._judging = False
 
     def _run(self) -> None:
         tick = time.monotonic()
-        while True:
+        while not self._closed:
             with self._lock:
                 peers = list(self._peers)
             for p in peers:
@@ -133,12 +152,15 @@ class Heartbeat:
                     self.sock.sendto(PING + self._token, p.address)
                 except OSError:
                     pass  # unreachable now: the silence will say so
-            readable, _, _ = select.select([self.sock], [], [], self.interval_s)
-            now = time.monotonic()
-            gap, tick = now - tick, now
+            select.select([self.sock], [], [], self.interval_s)
             with self._lock:
-                if readable:
-                    self._drain(now)
+                # The clock is read, and everything queued is drained, only now: this thread
+                # may have waited for the GIL since select returned, and what the peers sent
+                # meanwhile is in the socket; judging on select's stale answer blamed them for
+                # this process's own stall.
+                now = time.monotonic()
+                gap, tick = now - tick, now
+                self._drain(now)
                 if not self._judging:
                     continue
                 if gap > 2 * self.timeout_s:  # this process did not run: the peers gave up
@@ -169,7 +191,8 @@ class Heartbeat:
         """A silent peer on this machine whose process is not stopped is alive but starved of
         CPU (its heartbeat thread did not get to run): judge it again later instead of
         evicting it. A stopped one (state T), or one on another machine, stays silent."""
-        silent = [p for p in verdict[1] if not _alive_here(p, self.machine)]
+        silent = [p for p in verdict[1]
+                  if not (same_host(p, self.machine, self.view) and _running(p.pid))]
         if silent:
             return ("silent", silent, verdict[2], verdict[3] and len(silent) == len(verdict[1]))
         with self._lock:
@@ -212,11 +235,31 @@ def process_state(pid: int) -> str:
         return ""
 
 
-def _alive_here(p: Peer, machine: str) -> bool:
-    """True when `p` runs on `machine` (this one) and its process is not stopped."""
-    if not machine or p.machine != machine:
-        return False
-    return process_state(p.pid) not in ("", *STOPPED, "Z", "X")
+def this_view() -> str:
+    """Which kernel (boot id), process table, network and host name (their namespaces) this
+    process sees. Two processes with the same view can look each other up in /proc and cannot
+    be cut apart by a network fault; host names alone cannot tell that (aliases name one
+    machine; network-namespace hosts and containers share one kernel). A process in its own
+    UTS namespace presents itself as another host and is taken for one. "" when unreadable."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return ":".join([boot, *(str(os.stat(f"/proc/self/ns/{ns}").st_ino)
+                                 for ns in ("pid", "net", "uts"))])
+    except OSError:
+        return ""
+
+
+def same_host(p: Peer, machine: str, view: str) -> bool:
+    """True when `p`'s pid means a process of this process's /proc and network: by view when
+    both are known, else by host name."""
+    if p.view and view:
+        return p.view == view
+    return bool(machine) and p.machine == machine
+
+
+def _running(pid: int) -> bool:
+    return process_state(pid) not in ("", *STOPPED, "Z", "X")
 
 
 def probe(address: tuple[str, int], timeout: float = 0.5) -> bool:

@@ -18,22 +18,30 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from hvd_resilient.backends import heartbeat
 from hvd_resilient.errors import HUNG_EXIT_CODE, exit_now
 
 log = logging.getLogger("hvd_resilient.silent_peers")
 
-Evict = Callable[[list[heartbeat.Peer], str], None]
+
+class Evict(Protocol):
+    """What a launcher that can drop workers in place does with silent peers."""
+
+    def evicted_first(self, peers: list[heartbeat.Peer], alone: bool) -> bool:
+        """True when the others evicted this worker (it is the frozen or cut-off one);
+        `alone`: `peers` are every peer it watches."""
+
+    def __call__(self, peers: list[heartbeat.Peer], detail: str) -> None:
+        """Drops `peers` and makes this rank's collectives fail now."""
 
 
-def kill_local(peers: list[heartbeat.Peer], machine: str) -> list[int]:
+def kill_local(peers: list[heartbeat.Peer], machine: str, view: str) -> list[int]:
     """SIGKILLs the silent peers that run on this machine; returns their pids."""
     killed = []
     for p in peers:
-        if p.machine == machine and p.pid != os.getpid():
+        if heartbeat.same_host(p, machine, view) and p.pid != os.getpid():
             try:
                 os.kill(p.pid, signal.SIGKILL)
                 killed.append(p.pid)
@@ -76,7 +84,8 @@ class SilentPeers:
         self.address = (outward_ip(coordinator), self.hb.port)
 
     def peer(self, rank: int) -> heartbeat.Peer:
-        return heartbeat.Peer(rank, self.address, self.machine, os.getpid(), self.slot)
+        return heartbeat.Peer(rank, self.address, self.machine, os.getpid(), self.slot,
+                              self.hb.view)
 
     def arm(self, me: int, everyone: list[heartbeat.Peer]) -> int:
         return self.hb.arm(me, everyone)
@@ -86,10 +95,15 @@ class SilentPeers:
 
     def _lost(self, peers: list[heartbeat.Peer], silent_s: float) -> None:
         names = ", ".join(f"rank {p.rank} ({p.slot or p.machine})" for p in peers)
+        if self.evict is not None and self.evict.evicted_first(
+                peers, len(peers) == self.hb.watching()):
+            log.error("%s silent, but the others evicted this worker first (it is the one cut "
+                      "off or frozen); exiting (code %d) without writing", names, HUNG_EXIT_CODE)
+            self._exit()
         log.warning("%s silent for %.1fs: frozen or cut off; evicting", names, silent_s)
         self.events.emit("peer_silent", ranks=[p.rank for p in peers],
                          slots=[p.slot for p in peers], silent_seconds=round(silent_s, 3))
-        killed = kill_local(peers, self.machine)
+        killed = kill_local(peers, self.machine, self.hb.view)
         detail = f"{names} silent for {silent_s:.1f}s" + (f"; killed pid {killed}" if killed
                                                            else "")
         if self.evict is not None:

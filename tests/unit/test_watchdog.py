@@ -6,6 +6,9 @@ import os
 import socket
 import threading
 import time
+import types
+
+import pytest
 
 from hvd_resilient.backends import heartbeat
 from hvd_resilient.watchdog import VICTIM_FACTOR, ProgressWatchdog
@@ -66,20 +69,55 @@ def test_the_adaptive_budget_follows_the_slowest_step(tmp_path):
     assert dog.budget() == ("step", 7.0)
 
 
+_made: list = []
+"""Heartbeats and sockets a test made: closed after it, so that no thread outlives it."""
+
+
+@pytest.fixture(autouse=True)
+def _close_what_was_made():
+    yield
+    while _made:
+        _made.pop().close()
+
+
 def _beat(timeout: float, verdicts: list, cut_off: bool = False) -> heartbeat.Heartbeat:
-    return heartbeat.Heartbeat(
+    return _keep(heartbeat.Heartbeat(
         timeout, interval_s=0.05,
         on_lost=lambda peers, s: verdicts.append(("lost", [p.rank for p in peers])),
         on_self_frozen=lambda gap: verdicts.append(("frozen", gap)),
         on_cut_off=lambda peers: verdicts.append(("cut_off", [p.rank for p in peers])),
-        is_cut_off=lambda: cut_off)
+        is_cut_off=lambda: cut_off))
+
+
+def _keep(thing):
+    _made.append(thing)
+    return thing
 
 
 def _mute() -> socket.socket:
     """A peer whose process does not run: its socket is there, nothing answers."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s = _keep(socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
     s.bind(("127.0.0.1", 0))
     return s
+
+
+def _verdict_here(silent_peer) -> list:
+    """What a rank on machine "here" decides, within four timeouts, about a peer whose
+    socket never answers (`silent_peer(address)` makes it)."""
+    verdicts: list = []
+    me = _keep(heartbeat.Heartbeat(
+        0.5, interval_s=0.05, machine="here",
+        on_lost=lambda peers, s: verdicts.append(("lost", [p.rank for p in peers])),
+        on_self_frozen=lambda gap: None, on_cut_off=lambda peers: None,
+        is_cut_off=lambda: False))
+    mute = _mute()
+    me.arm(0, [heartbeat.Peer(0, ("127.0.0.1", me.port), "here", 1, view=me.view),
+               silent_peer(mute.getsockname())])
+    deadline = time.monotonic() + 2.0
+    while not verdicts and time.monotonic() < deadline:
+        time.sleep(0.05)
+    me.disarm()
+    return verdicts
 
 
 def test_a_peer_that_has_not_armed_yet_is_alive_when_its_thread_runs():
@@ -96,6 +134,54 @@ def test_a_peer_that_has_not_armed_yet_is_alive_when_its_thread_runs():
         time.sleep(0.05)
     early.disarm()
     assert verdicts == []
+
+
+def test_a_stall_of_this_thread_is_not_blamed_on_its_peers(monkeypatch):
+    """The heartbeat thread waited (for the GIL, here a sleep) after select said "nothing
+    yet"; the peer's pings of that time are queued in the socket and prove it alive."""
+    verdicts: list = []
+    me, peer = _beat(0.5, verdicts), _beat(0.5, [])
+    me._token, peer._token = b"301", b"302"
+    stalled, resumed = threading.Event(), threading.Event()
+    real_select = heartbeat.select.select
+
+    def select_then_stall(r, w, x, timeout):
+        real_select(r, w, x, timeout)
+        if threading.current_thread() is me._thread and me._judging and not stalled.is_set():
+            stalled.set()
+            time.sleep(0.8)  # over the timeout, under the self-frozen limit of 1.0 s
+            resumed.set()
+            return [], [], []  # what select said before the stall
+        return real_select(r, w, x, 0)
+
+    everyone = [heartbeat.Peer(0, ("127.0.0.1", me.port), "a", 301),
+                heartbeat.Peer(1, ("127.0.0.1", peer.port), "b", 302)]
+    peer.arm(1, everyone)
+    monkeypatch.setattr(heartbeat, "select", types.SimpleNamespace(select=select_then_stall))
+    me.arm(0, everyone)
+    assert stalled.wait(5) and resumed.wait(5)
+    deadline = time.monotonic() + 0.3  # a few rounds after the stall
+    while not verdicts and time.monotonic() < deadline:
+        time.sleep(0.05)
+    me.disarm()
+    peer.disarm()
+    assert verdicts == []
+
+
+def test_a_running_peer_under_another_name_of_this_machine_is_spared():
+    """`localhost` and `127.0.0.1` are one machine: the view, not the name, decides."""
+    import subprocess
+
+    running = subprocess.Popen(["sleep", "60"])
+    try:
+        for name, view, expect in (("another-name", heartbeat.this_view(), []),
+                                   ("here", "another:kernel:or:namespace", [("lost", [1])])):
+            verdicts = _verdict_here(lambda addr, n=name, v=view: heartbeat.Peer(
+                1, addr, n, running.pid, view=v))
+            assert verdicts == expect, (name, verdicts)
+    finally:
+        running.kill()
+        running.wait()
 
 
 def test_ring_neighbours_are_symmetric():
@@ -147,19 +233,7 @@ def test_a_silent_peer_that_runs_on_this_machine_is_spared_a_stopped_one_is_not(
     try:
         os.kill(stopped.pid, signal.SIGSTOP)
         for pid, expect in ((running.pid, []), (stopped.pid, [("lost", [1])])):
-            verdicts: list = []
-            me = heartbeat.Heartbeat(
-                0.5, interval_s=0.05, machine="here",
-                on_lost=lambda peers, s, v=verdicts: v.append(("lost", [p.rank for p in peers])),
-                on_self_frozen=lambda gap: None, on_cut_off=lambda peers: None,
-                is_cut_off=lambda: False)
-            mute = _mute()
-            me.arm(0, [heartbeat.Peer(0, ("127.0.0.1", me.port), "here", 1),
-                       heartbeat.Peer(1, mute.getsockname(), "here", pid)])
-            deadline = time.monotonic() + 2.0
-            while not verdicts and time.monotonic() < deadline:
-                time.sleep(0.05)
-            me.disarm()
+            verdicts = _verdict_here(lambda addr, p=pid: heartbeat.Peer(1, addr, "here", p))
             assert verdicts == expect, (pid, verdicts)
     finally:
         for p in (running, stopped):

@@ -10,6 +10,7 @@ synced once and a failure ends the job, to be resumed from a durable checkpoint.
 from __future__ import annotations
 
 import functools
+import os
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -26,6 +27,7 @@ from hvd_resilient.backends.horovod.detect import silent_peers as horovod_silent
 from hvd_resilient.backends.horovod.state import ElasticState, is_elastic
 from hvd_resilient.backends.silent_peers import SilentPeers
 from hvd_resilient.backends.threads import share_cores
+from hvd_resilient.errors import HUNG_EXIT_CODE, exit_now
 from hvd_resilient.log import get
 
 log = get("elastic")
@@ -66,7 +68,8 @@ def run(func: Callable[..., T] | None = None, *,
         driver = driver_watch.driver_address()
         silent = SilentPeers(heartbeat_timeout_s, state.events, machine=slots.machine(),
                              slot=horovod_silent.slot_key(), coordinator=driver,
-                             evict=horovod_silent.evictor(driver, watch.trip))
+                             evict=horovod_silent.DriverEvict(driver, horovod_silent.slot_key(),
+                                                              watch.trip))
         skip_sync = False
         try:
             while True:
@@ -86,6 +89,12 @@ def run(func: Callable[..., T] | None = None, *,
                     return result
                 except HorovodInternalError as e:
                     detected = time.time()
+                    if horovod_silent.evicted_within(driver, silent.slot, os.getpid(),
+                                                     horovod_silent.ASK_S, until_answer=True):
+                        log.error("the other workers evicted this one as silent (frozen or cut "
+                                  "off) and went on without it; exiting (code %d) without "
+                                  "writing", HUNG_EXIT_CODE)
+                        exit_now(HUNG_EXIT_CODE)
                     with watchdog.section("recovery", None):  # until the next sync, unbounded
                         watch.disarm()
                         silent.disarm()

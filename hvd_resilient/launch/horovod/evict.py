@@ -97,7 +97,12 @@ def ssh_settings(argv: list[str]) -> tuple[str | None, str | None]:
 
 def watch(driver: Any, remote_kill: Callable[[str, int], None], emit: Callable[..., Any],
           poll_s: float = POLL_S) -> None:
+    """Reports are "<pid> <machine> <reporter slot> <reporter pid>", taken in the order they
+    came. One from a worker this driver has already ended is ignored: the side of a partition
+    that was cut off (its link back, or only its peers unreachable) finds the healthy ones
+    silent too, a moment after they found it."""
     handled: set[tuple[str, bytes]] = set()
+    ended: dict[str, str] = {}
     while not driver.finished():
         for key, value in compat.kv_get(driver, LOST_SCOPE).items():
             if (key, value) in handled:
@@ -107,11 +112,35 @@ def watch(driver: Any, remote_kill: Callable[[str, int], None], emit: Callable[.
             fields = value.decode(errors="replace").split()
             if not hostname or not fields or not fields[0].isdigit():
                 continue
+            if len(fields) >= 4 and ended.get(fields[2]) == fields[3]:
+                logger.warning("slot %s reported silent by %s, which was itself evicted: "
+                               "ignored", key, fields[2])
+                continue
+            ended[key] = fields[0]
             how = end_slot(hostname, local_rank, int(fields[0]), remote_kill)
             logger.warning("slot %s[%s] reported silent by its peers: %s", hostname, local_rank,
                            f"ended ({how})" if how else "no process found (already gone)")
             emit("slot_evicted", slot=key, pid=int(fields[0]), how=how or None)
         time.sleep(poll_s)
+
+
+class _KeepsVerdicts(dict):
+    """The rendezvous store's cache, which Horovod clears at every new rendezvous, keeping
+    the silent slots named so far: an evicted worker that reconnects (a healed partition)
+    asks there whether it was evicted, after the survivors' reset has begun."""
+
+    def clear(self) -> None:
+        kept = self.get(LOST_SCOPE)
+        super().clear()
+        if kept is not None:
+            self[LOST_SCOPE] = kept
+
+
+def keep_verdicts(driver: Any) -> None:
+    httpd = driver._rendezvous._httpd
+    with httpd.cache_lock:
+        if not isinstance(httpd.cache, _KeepsVerdicts):
+            httpd.cache = _KeepsVerdicts(httpd.cache)
 
 
 def install(argv: list[str], emit: Callable[..., Any]) -> None:
@@ -124,6 +153,7 @@ def install(argv: list[str], emit: Callable[..., Any]) -> None:
     def start_and_watch(self: Any, pending_slots: list[Any]) -> None:
         if not self.__dict__.get("_hvdr_evict"):
             self.__dict__["_hvdr_evict"] = True
+            keep_verdicts(self)
             threading.Thread(target=watch, args=(self, killer, emit), daemon=True,
                              name="hvd-resilient-evict").start()
         start(self, pending_slots)
