@@ -66,10 +66,10 @@ def run(func: Callable[..., T] | None = None, *,
         driver_watch.start(state.events)
         watch = peer_watch.PeerWatch()
         driver = driver_watch.driver_address()
+        slot = horovod_silent.slot_key()
         silent = SilentPeers(heartbeat_timeout_s, state.events, machine=slots.machine(),
-                             slot=horovod_silent.slot_key(), coordinator=driver,
-                             evict=horovod_silent.DriverEvict(driver, horovod_silent.slot_key(),
-                                                              watch.trip))
+                             slot=slot, coordinator=driver,
+                             evict=horovod_silent.DriverEvict(driver, slot, watch.trip))
         skip_sync = False
         try:
             while True:
@@ -89,7 +89,7 @@ def run(func: Callable[..., T] | None = None, *,
                     return result
                 except HorovodInternalError as e:
                     detected = time.time()
-                    if horovod_silent.evicted_within(driver, silent.slot, os.getpid(),
+                    if horovod_silent.evicted_within(driver, slot, os.getpid(),
                                                      horovod_silent.ASK_S, until_answer=True):
                         log.error("the other workers evicted this one as silent (frozen or cut "
                                   "off) and went on without it; exiting (code %d) without "
