@@ -97,3 +97,33 @@ def test_torchrun_warm_forks_workers_with_imports_done(tmp_path, jobs, fork):
         assert s["main"] == "__main__", s
     if fork == "1":
         assert seen[0]["ppid"] == seen[1]["ppid"] == job.proc.pid, (seen, job.proc.pid)
+
+
+RELEASE_PROBE = """
+import atexit, os, sys, types
+import torch.distributed as dist
+from hvd_resilient.backends.torchrun.backend import TorchDistBackend
+
+# Registered first, so it runs last of the exit hooks: what teardown will find.
+atexit.register(lambda: os.write(1, f"groups at exit: {dist.is_initialized()}\\n".encode()))
+backend = TorchDistBackend(heartbeat_timeout_s=float(sys.argv[1]))
+backend.init()
+events = types.SimpleNamespace(emit=lambda *a, **k: None)
+state = types.SimpleNamespace(events=events, sync=lambda: None)
+backend.run(lambda s: backend.any_rank(True), state)
+assert dist.is_initialized(), "fit()'s caller may still run collectives"
+"""
+
+
+@pytest.mark.timeout(120)
+def test_torchrun_a_finished_run_releases_its_process_groups_before_teardown(tmp_path, jobs):
+    """Left to interpreter teardown, Gloo's threads can abort a finished worker ("terminate
+    called without an active exception", exit -6): an FSDP job failed so in CI."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(RELEASE_PROBE)
+    torchrun = str(Path(PYTHON).parent / "torchrun")
+    job = jobs.start([torchrun, "--standalone", "--nproc-per-node", "2", str(probe), "1.5"],
+                     name="probe")
+    assert job.wait(90) == 0, job.output()[-3000:]
+    lines = [ln for ln in job.output().splitlines() if ln.startswith("groups at exit")]
+    assert lines == ["groups at exit: False"] * 2, job.output()[-3000:]

@@ -15,6 +15,7 @@ as one buffer laid out in parameter order, whatever their buckets (`determinism`
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import socket
@@ -106,6 +107,12 @@ class TorchDistBackend(Backend):
         fn(state)
         silent.disarm()  # still sending: nobody leaves while a peer still judges
         dist.barrier()
+        # Past this barrier no collective of ours is in flight, so releasing the groups cannot
+        # wait on a peer. Left to interpreter teardown, Gloo's worker threads still hold
+        # tensors whose release needs the GIL, and the process can abort with "terminate
+        # called without an active exception" after a finished run (seen in CI). At exit, not
+        # here: the caller may still run collectives after fit().
+        atexit.register(_release_groups)
 
     def allgather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.size()
@@ -118,5 +125,11 @@ class TorchDistBackend(Backend):
         return bool(t.item() > 0)
 
     def shutdown(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _release_groups()
+
+
+def _release_groups() -> None:
+    """Every process group of this process (the default one and the checkpoints' own), once;
+    a no-op when the caller already destroyed them."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
