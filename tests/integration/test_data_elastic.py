@@ -5,7 +5,6 @@ durable checkpoint. The ids are counted from what the loader workers decoded
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from tests.support.jobs import (
     PYTHON,
     events,
     horovodrun_elastic,
+    kill_job,
     set_hosts,
     wait_for,
     write_discovery,
@@ -117,14 +117,6 @@ def test_resize_2_3_2_through_discovery_loses_no_sample(kind, tmp_path, jobs, re
     assert_consistent(run)
 
 
-def kill_everything(job) -> None:
-    procs = job.processes()
-    assert len(procs) >= 3, "expected horovodrun and two workers"
-    for p in procs:
-        p.send_signal(signal.SIGKILL)
-    job.wait(30)
-
-
 @pytest.mark.parametrize("kind,api", [("map", "trainer"), ("shards", "loop")])
 def test_full_restart_resumes_the_data_order_from_the_checkpoint(kind, api, tmp_path, jobs,
                                                                  request, s3_url, s3_server):
@@ -153,7 +145,7 @@ def test_full_restart_resumes_the_data_order_from_the_checkpoint(kind, api, tmp_
 
     job = jobs.start(cmd, name="first")
     wait_for(lambda: any(s >= 60 for s in saved()), 240, "a checkpoint at step >= 60", job)
-    kill_everything(job)
+    kill_job(job)
     assert not [e for e in events(run / "events.jsonl") if e["event"] == "done"]
     job = jobs.start(cmd, name="second")
     assert job.wait(300) == 0, job.output()[-3000:]

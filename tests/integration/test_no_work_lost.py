@@ -10,6 +10,7 @@ manifest is published (mid-run, and for the final checkpoint).
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 from pathlib import Path
 
@@ -81,10 +82,16 @@ def test_a_checkpoint_that_does_not_fit_stops_every_rank_and_rewrites_nothing(
     assert len(starts) == 2, f"the workers were restarted into the same error: {starts}"
 
 
+def bare_env() -> dict[str, str]:
+    """No settings from this shell, but the test's own memory tier folder (conftest)."""
+    return {"PYTHONPATH": str(ROOT), "PATH": str(Path(PYTHON).parent) + ":/usr/bin:/bin",
+            "HVD_RESILIENT_STORE_MEMORY_DIR": os.environ["HVD_RESILIENT_STORE_MEMORY_DIR"]}
+
+
 def test_no_resume_over_existing_checkpoints_refuses_to_start(tmp_path):
     run = tmp_path / "run"
     cmd = [PYTHON, DIGITS, "--run-dir", str(run), "--max-steps", "4", "--checkpoint-every", "2"]
-    env = {"PYTHONPATH": str(ROOT), "PATH": str(Path(PYTHON).parent) + ":/usr/bin:/bin"}
+    env = bare_env()
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert first.returncode == 0, first.stderr[-3000:]
     before = tree_digest(run / "checkpoints")
@@ -102,7 +109,7 @@ def test_checkpoints_that_all_fail_verification_are_not_trained_over(tmp_path):
     scratch and write its own steps over the evidence."""
     run = tmp_path / "run"
     cmd = [PYTHON, DIGITS, "--run-dir", str(run), "--max-steps", "4", "--checkpoint-every", "2"]
-    env = {"PYTHONPATH": str(ROOT), "PATH": str(Path(PYTHON).parent) + ":/usr/bin:/bin"}
+    env = bare_env()
     assert subprocess.run(cmd, capture_output=True, timeout=180, env=env).returncode == 0
     for part in (run / "checkpoints").glob("step-*/*"):
         if part.name != "manifest.json":

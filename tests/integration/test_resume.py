@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.jobs import PYTHON, events, wait_for
+from tests.support.jobs import PYTHON, events, kill_job, wait_for
 from tests.support.paths import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -33,14 +33,6 @@ def saved_steps(run: Path) -> list[int]:
     return [e["step"] for e in events(run / "events.jsonl") if e["event"] == "checkpoint_saved"]
 
 
-def kill_everything(job) -> None:
-    procs = job.processes()
-    assert len(procs) >= 3, "expected horovodrun and two workers"
-    for p in procs:
-        p.send_signal(signal.SIGKILL)
-    job.wait(30)
-
-
 def check_kill_and_resume(tmp_path: Path, jobs, url_for) -> None:
     ref = tmp_path / "ref"
     job = jobs.start(digits_cmd(ref, url_for("ref")), name="ref")
@@ -51,7 +43,7 @@ def check_kill_and_resume(tmp_path: Path, jobs, url_for) -> None:
     job = jobs.start(digits_cmd(run, url_for("run")), name="first")
     wait_for(lambda: any(s >= 100 for s in saved_steps(run)), 180, "a checkpoint at step >= 100",
              job)
-    kill_everything(job)
+    kill_job(job)
     assert not done_digests(run), "the job finished before it could be killed"
     last_saved = max(saved_steps(run))
 
