@@ -278,13 +278,25 @@ class DurableCheckpoints:
 
     def _owed(self) -> bool:
         """The durable checkpoint is a whole interval behind the state: a save lost with rank 0
-        (the survivors restored the commit before it), or skipped because a host change
-        interrupted the commit it follows. The same answer on every rank (synced state)."""
+        (the survivors restored the commit before it, or one taken after it was requested, as
+        the epoch's end commits right after a checkpoint step), or skipped because a host
+        change interrupted the commit it follows. The same answer on every rank (synced state;
+        a collective only when the save of this very step was requested but not published)."""
         every, st = self.config.checkpoint_every, self.state
         newest = max(st.ckpt_published, st.ckpt_requested)
-        return every > 0 and st.step > 0 and (
-            st.step - st.ckpt_published >= every and st.step != newest
-            or st.step - newest >= every)
+        if every <= 0 or st.step <= 0:
+            return False
+        if st.step - newest >= every:
+            return True
+        if st.step - st.ckpt_published < every:
+            return False
+        if st.step != newest:
+            return True
+        # Requested at this step and not known published: owed unless this rank 0 is the
+        # process uploading it (a reset that kept rank 0, e.g. a host added).
+        held = self.backend.rank() == 0 and self._writer is not None and \
+            self._writer.holds(st.step)
+        return not self.backend.allgather_object(held)[0]
 
     def _after_sync(self) -> None:
         """Every rank, after each sync: stop if the start failed anywhere; redo what a reset
