@@ -152,8 +152,7 @@ def kill_job(job: Job) -> None:
     dead users left in /dev/shm, which leak when they die with them."""
     procs = [p for p in job.processes() if not _is_resource_tracker(p)]
     assert len(procs) >= 3, "expected horovodrun and two workers"
-    for p in procs:
-        p.send_signal(signal.SIGKILL)
+    _kill(procs)
     job.wait(30)
 
 
