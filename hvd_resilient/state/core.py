@@ -13,9 +13,12 @@ import hashlib
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from hvd_resilient.events import EventLog
 from hvd_resilient.log import get
 from hvd_resilient.state import rng
+from hvd_resilient.state.agreement import Component, digest_tree
 
 log = get("state")
 
@@ -54,7 +57,11 @@ class StateCore:
         if self.events.step_source is None:
             self.events.step_source = lambda: self.step
         self._seed, self._lr_scaling = seed, lr_scaling
-        self._extra_names = tuple(extras)
+        self._stateful = {k: v for k, v in extras.items() if is_stateful(v)}
+        """Extras with state_dict()/load_state_dict() (a GradScaler, an EMA model, a second
+        model): committed, synced, verified and checkpointed like the model, never by
+        reference as plain attributes."""
+        self._extra_names = tuple(k for k in extras if k not in self._stateful)
         self.last_commit_step = 0
         self._after_sync: list[Callable[[], None]] = []
         self._before_commit: list[Callable[[], None]] = []
@@ -86,7 +93,62 @@ class StateCore:
 
     @property
     def epoch(self) -> int:
-        return self.sampler.epoch
+        """The sampler's epoch; a script that passed ``epoch=`` (Horovod's idiom) owns it."""
+        if "epoch" in self._extra_names:
+            return self.__dict__["_own_epoch"]
+        return self.sampler.epoch if self.sampler is not None else 0
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        if "epoch" not in getattr(self, "_extra_names", ("epoch",)):
+            raise AttributeError("state.epoch follows the sampler here; pass epoch=0 to the "
+                                 "state to keep and commit an epoch of your own")
+        self.__dict__["_own_epoch"] = value
+
+    @property
+    def exact_once(self) -> bool:
+        """Whether exact-once sample accounting is in force: only with this library's
+        sampler, which commits the position inside the epoch with the state."""
+        return hasattr(self.sampler, "next_slice")
+
+    # -- agreement between ranks ----------------------------------------------------------
+    def attribute_names(self) -> tuple[str, ...]:
+        """The plain attributes every rank must agree on after a sync."""
+        return ("step", "samples", "lr_scale", "ckpt_requested", "ckpt_published",
+                *self._extra_names)
+
+    def _get_attributes(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.attribute_names()}
+
+    def _put_attributes(self, values: dict[str, Any]) -> None:
+        for k, v in values.items():
+            setattr(self, k, v)
+
+    def sync_components(self) -> list[Component]:
+        """Everything a sync makes equal on every rank, rank 0's values winning. A sharded
+        model and its optimizer are left out: their shards differ by design."""
+        model = _unwrapped(self.model)
+        out = []
+        if not self.sharded():
+            out += [Component("model", model.state_dict, model.load_state_dict),
+                    Component("optimizer", self.optimizer.state_dict,
+                              self.optimizer.load_state_dict)]
+        for name, obj in (("sampler", self.sampler), ("scheduler", self.scheduler),
+                          *self._stateful.items()):
+            if obj is not None:
+                out.append(Component(name, obj.state_dict, obj.load_state_dict))
+        out.append(Component("attributes", self._get_attributes, self._put_attributes))
+        return out
+
+    def sharded(self) -> bool:
+        return any(hasattr(t, "full_tensor") for t in _unwrapped(self.model).state_dict()
+                   .values())
+
+    def state_digests(self) -> dict[str, str]:
+        """This rank's digest of each component (no collective): what the ``done`` event and
+        the tests compare across ranks."""
+        return {c.name: digest_tree(c.get()) for c in self.sync_components()
+                if c.name != "attributes"}
 
     def params_sha256(self) -> str:
         """One digest of every parameter and buffer: equal across ranks iff they agree.
@@ -142,13 +204,16 @@ class StateCore:
         """Everything but the model and optimizer: small, the same on every rank, and so
         saved once by rank 0 even when the model itself is sharded."""
         out: dict[str, Any] = {
-            "sampler": self.sampler.state_dict(),
             "counters": {"step": self.step, "samples": self.samples, "lr_scale": self.lr_scale},
             "rng": {"world_size": len(rng_streams), "streams": rng_streams},
             "extras": {k: getattr(self, k) for k in self._extra_names},
         }
+        if self.sampler is not None:
+            out["sampler"] = self.sampler.state_dict()
         if self.scheduler is not None:
             out["scheduler"] = self.scheduler.state_dict()
+        if self._stateful:
+            out["components"] = {k: v.state_dict() for k, v in self._stateful.items()}
         return out
 
     def load_checkpoint_state(self, sd: dict[str, Any]) -> None:
@@ -159,7 +224,11 @@ class StateCore:
 
     def load_run_state(self, sd: dict[str, Any]) -> None:
         """Applies what :meth:`run_state` saved (no collective)."""
-        self.sampler.load_state_dict(sd["sampler"])
+        if self.sampler is not None and "sampler" in sd:
+            self.sampler.load_state_dict(sd["sampler"])
+        for k, v in sd.get("components", {}).items():
+            if k in self._stateful:
+                self._stateful[k].load_state_dict(v)
         if self.scheduler is not None and "scheduler" in sd:
             self.scheduler.load_state_dict(sd["scheduler"])
         c = sd["counters"]
@@ -172,6 +241,12 @@ class StateCore:
     def model_state(self) -> dict[str, Any]:
         """The plain model's state dict (what a checkpoint's ``model`` entry must fit)."""
         return _unwrapped(self.model).state_dict()
+
+
+def is_stateful(value: Any) -> bool:
+    """Has its own state dict (a module, an optimizer, a GradScaler, a sampler)."""
+    return (not isinstance(value, torch.Tensor) and callable(getattr(value, "state_dict", None))
+            and callable(getattr(value, "load_state_dict", None)))
 
 
 def _unwrapped(model: Any) -> Any:

@@ -1,11 +1,15 @@
 """Everything that must survive a failure, on top of `hvd.elastic.TorchState`.
 
 TorchState already commits the model and optimizer. It does not know LR schedulers, an
-exact-once sampler, counters or every rank's random streams, and its sync broadcasts plain
-attributes from the last *commit* while the model comes from the *current* values. Here every
-component has a handler with save/restore/sync, sync always sends rank 0's values, and what a
-durable checkpoint holds is one plain dict (`checkpoint_state`), loadable with
-`torch.load(weights_only=True)`.
+exact-once sampler, counters, a GradScaler or every rank's random streams, and its sync moved
+a newcomer's parameters after broadcasting them (`broadcast_optimizer_state` runs a zero-grad
+`step()`: AdamW's weight decay). Here every component has a handler with save/restore, the
+sync is `state.agreement.agree` (rank 0's values, sent as they are, then proven equal by
+digest), and what a durable checkpoint holds is one plain dict (`checkpoint_state`), loadable
+with `torch.load(weights_only=True)`.
+
+The signature is TorchState's: ``ElasticState(model, optimizer, batch=0, epoch=0)`` works as
+in Horovod's documentation, the sampler (ours, or Horovod's `ElasticSampler`) is optional.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 
 import horovod.torch as hvd
 import torch
+from horovod.common.elastic import ObjectState
 from horovod.torch.elastic.state import (
     ModelStateHandler,
     OptimizerStateHandler,
@@ -24,31 +29,16 @@ from horovod.torch.elastic.state import (
     TorchState,
 )
 
+from hvd_resilient.backends.horovod.collectives import HorovodCollectives
 from hvd_resilient.checkpoint.serialize import map_leaves
 from hvd_resilient.events import EventLog
 from hvd_resilient.log import get
 from hvd_resilient.state import rng
-from hvd_resilient.state.core import StateCore
-from hvd_resilient.state.sampler import ElasticDataSampler
+from hvd_resilient.state.agreement import agree
+from hvd_resilient.state.core import StateCore, is_stateful
 
 log = get("state")
 
-
-class _StateDictHandler(StateHandler):
-    """Commit/restore any object with state_dict(); sync = broadcast rank 0's current one."""
-
-    def __init__(self, value: Any) -> None:
-        super().__init__(value)
-        self._saved = copy.deepcopy(value.state_dict())
-
-    def save(self) -> None:
-        self._saved = copy.deepcopy(self.value.state_dict())
-
-    def restore(self) -> None:
-        self.value.load_state_dict(copy.deepcopy(self._saved))
-
-    def sync(self) -> None:
-        self.value.load_state_dict(hvd.broadcast_object(self.value.state_dict(), root_rank=0))
 
 
 def _copy(sd: Any) -> Any:
@@ -59,6 +49,24 @@ def _copy(sd: Any) -> Any:
     test found in every commit of Horovod's own handlers)."""
     return map_leaves(sd, lambda v, _: v.detach().clone() if isinstance(v, torch.Tensor)
                       else copy.deepcopy(v))
+
+
+class _StateDictHandler(StateHandler):
+    """Commit/restore any object with state_dict() (GIL-free copies); the sync is the state's
+    (`agree`), never the handler's."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__(value)
+        self._saved = _copy(value.state_dict())
+
+    def save(self) -> None:
+        self._saved = _copy(self.value.state_dict())
+
+    def restore(self) -> None:
+        self.value.load_state_dict(_copy(self._saved))
+
+    def sync(self) -> None:
+        raise AssertionError("ElasticState.sync sends every component itself")
 
 
 class _ModelHandler(ModelStateHandler):
@@ -95,8 +103,12 @@ class ElasticState(StateCore, TorchState):
     """State of one elastic training run: model, optimizer, scheduler, sampler, counters, RNG.
 
     `step` and `samples` count optimizer steps and samples over the whole run; the epoch and the
-    position inside it live in the sampler. Extra keyword arguments become committed plain
-    attributes (ints, floats, strings, tensors: what a durable checkpoint can carry).
+    position inside it live in the sampler, unless the script passes ``epoch=`` and keeps its
+    own (Horovod's idiom). Extra keyword arguments are committed, restored, synced and
+    checkpointed: objects with a state dict (a GradScaler, an EMA model) as components, the
+    rest as plain attributes (ints, floats, strings, tensors: what a checkpoint can carry).
+    The sampler is optional; without this library's `ElasticDataSampler` exact-once data is
+    not in force (:attr:`exact_once`).
     """
 
     def __init__(
@@ -104,7 +116,7 @@ class ElasticState(StateCore, TorchState):
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         *,
-        sampler: ElasticDataSampler,
+        sampler: Any | None = None,
         scheduler: Any | None = None,
         seed: int = 0,
         lr_scaling: str = "none",
@@ -118,19 +130,24 @@ class ElasticState(StateCore, TorchState):
             raise ValueError(f"host_check_every must be >= 0 (0 turns the check off), "
                              f"got {host_check_every}")
         self._host_check_every = host_check_every if is_elastic() else 0
+        plain = {k: v for k, v in extras.items() if k not in self._stateful}
         super().__init__(
             model=model, optimizer=optimizer, step=0, samples=0, lr_scale=1.0,
-            resume_rng=None, ckpt_requested=-1, ckpt_published=-1, fatal="", **extras,
+            resume_rng=None, ckpt_requested=-1, ckpt_published=-1, fatal="", **plain,
         )
         for handler in self._handlers.values():  # same objects, GIL-free commits (_copy)
             if type(handler) in _GIL_FREE:
                 handler.__class__ = _GIL_FREE[type(handler)]
-        self._handlers["sampler"] = _StateDictHandler(sampler)
-        self.sampler = sampler
-        if scheduler is not None:
-            self._handlers["scheduler"] = _StateDictHandler(scheduler)
-        self.scheduler = scheduler
+        stateful = {"sampler": sampler, "scheduler": scheduler, **self._stateful}
+        for name, obj in stateful.items():
+            if obj is not None and not is_stateful(obj):
+                raise TypeError(f"ElasticState: {name} must have state_dict() and "
+                                f"load_state_dict(), got {type(obj).__name__}")
+            if obj is not None:
+                self._handlers[name] = _StateDictHandler(obj)
+            object.__setattr__(self, name, obj)
         self._handlers["rng"] = _RngHandler()
+        self._collectives = HorovodCollectives()
 
     def _rank(self) -> int:
         return hvd.rank()
@@ -178,7 +195,18 @@ class ElasticState(StateCore, TorchState):
         log.warning("restored the last commit: step %d -> %d", before, self.step)
 
     def sync(self) -> None:
-        super().sync()
+        """Rank 0's committed plain attributes (Horovod's semantics), then every component
+        agreed and proven equal (`state.agreement`); an event says what was sent."""
+        ObjectState.sync(self)
+        found = agree(self.sync_components(), self._collectives)
+        if hvd.rank() == 0:
+            self.events.emit("sync_check", sent=found.sent, differing_ranks=found.ranks,
+                             repaired=found.repaired, seconds=found.seconds,
+                             digest_seconds=found.digest_seconds)
+        if found.repaired:
+            self.events.emit("sync_mismatch", components=found.repaired)
+            log.warning("sync: %s differed after the first send and were sent again",
+                        ", ".join(found.repaired))
         if not self._synced_once:
             self._apply_start_rng()
             self._synced_once = True

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from hvd_resilient.backends import determinism
 from hvd_resilient.backends.base import Backend
 from hvd_resilient.backends.silent_peers import SilentPeers
+from hvd_resilient.backends.torchrun.collectives import TorchDistCollectives
 from hvd_resilient.backends.torchrun.state import TorchrunState
 
 
@@ -94,7 +95,8 @@ class TorchDistBackend(Backend):
         return ddp, optimizer
 
     def make_state(self, model: Any, optimizer: Any, **kwargs: Any) -> TorchrunState:
-        return TorchrunState(model, optimizer, rank=self.rank, size=self.size, **kwargs)
+        return TorchrunState(model, optimizer, rank=self.rank, size=self.size,
+                             collectives=TorchDistCollectives(self.device), **kwargs)
 
     def run(self, fn: Callable[[Any], None], state: Any) -> None:
         env = os.environ

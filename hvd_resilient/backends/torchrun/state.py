@@ -9,8 +9,11 @@ from typing import Any
 import torch
 
 from hvd_resilient.events import EventLog
+from hvd_resilient.log import get
+from hvd_resilient.state.agreement import Collectives, agree
 from hvd_resilient.state.core import StateCore
-from hvd_resilient.state.sampler import ElasticDataSampler
+
+log = get("state")
 
 
 class TorchrunState(StateCore):
@@ -21,7 +24,8 @@ class TorchrunState(StateCore):
         *,
         rank: Callable[[], int],
         size: Callable[[], int],
-        sampler: ElasticDataSampler,
+        sampler: Any | None = None,
+        collectives: Collectives | None = None,
         scheduler: Any | None = None,
         seed: int = 0,
         lr_scaling: str = "none",
@@ -32,6 +36,7 @@ class TorchrunState(StateCore):
         self.model, self.optimizer = model, optimizer
         self.sampler, self.scheduler = sampler, scheduler
         self._rank_fn, self._size_fn = rank, size
+        self._collectives = collectives
         for k, v in extras.items():
             setattr(self, k, v)
         self.step = self.samples = 0
@@ -48,7 +53,17 @@ class TorchrunState(StateCore):
 
     def sync(self) -> None:
         """DDP's constructor (or `fsdp.shard`) already broadcast rank 0's parameters, and every
-        rank loaded the same checkpoint: only the per-rank parts are left."""
+        rank loaded the same checkpoint; the agreement proves it (and repairs what differs:
+        the optimizer, the scaler, the EMA, which DDP never sends). Then the per-rank parts."""
+        if self._collectives is not None and self._size() > 1:
+            found = agree(self.sync_components(), self._collectives)
+            if self._rank() == 0:
+                self.events.emit("sync_check", sent=found.sent, differing_ranks=found.ranks,
+                                 repaired=found.repaired, seconds=found.seconds,
+                                 digest_seconds=found.digest_seconds)
+            if found.sent:
+                log.warning("sync: %s differed from rank 0's at start and were sent from it",
+                            ", ".join(found.sent))
         self._apply_start_rng()
         self._apply_lr_scaling()
         self._run_hooks(self._after_sync)
