@@ -208,8 +208,38 @@ class DataOptions:
                  self.readahead_shards)
 
 
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass(kw_only=True)
+class RecipeOptions:
+    """What the step does beyond forward, backward and step (docs/recipes.md)."""
+
+    grad_accum: int = 1
+    """Micro-batches of batch_size per optimizer step (gradients reduced once, on the last);
+    every micro-batch's samples are counted exactly once."""
+    clip_grad_norm: float = 0.0
+    """Clip the reduced gradients to this global L2 norm before the step (0: no clipping)."""
+    precision: str = "fp32"
+    """fp32, bf16 (autocast, CPU and GPU) or fp16 (autocast with a GradScaler whose state is
+    committed and checkpointed)."""
+    ema_decay: float = 0.0
+    """Keep an exponential moving average of the weights with this decay (e.g. 0.999; 0:
+    none); committed, synced and checkpointed as the `ema` component."""
+
+    def __post_init__(self) -> None:
+        _require(self.grad_accum >= 1, "recipe_grad_accum", ">= 1", self.grad_accum)
+        _require(self.clip_grad_norm >= 0, "recipe_clip_grad_norm", ">= 0 (0: off)",
+                 self.clip_grad_norm)
+        _require(self.precision in PRECISIONS, "recipe_precision",
+                 f"one of {', '.join(PRECISIONS)}", self.precision)
+        _require(self.ema_decay == 0 or 0 < self.ema_decay < 1, "recipe_ema_decay",
+                 "0 (off) or between 0 and 1", self.ema_decay)
+
+
 SECTIONS: dict[str, type] = {"store": StoreOptions, "recovery": RecoveryOptions,
-                             "observability": ObservabilityOptions, "data": DataOptions}
+                             "observability": ObservabilityOptions, "data": DataOptions,
+                             "recipe": RecipeOptions}
 """Section name -> its dataclass; a setting's flat name is `<section>_<field>`."""
 
 ENV_ALIASES = {"HVD_RESILIENT_SNAPSHOT_REUSE": "store_snapshot_reuse",
@@ -269,6 +299,7 @@ class TrainConfig:
     recovery: RecoveryOptions = field(default_factory=RecoveryOptions)
     observability: ObservabilityOptions = field(default_factory=ObservabilityOptions)
     data: DataOptions = field(default_factory=DataOptions)
+    recipe: RecipeOptions = field(default_factory=RecipeOptions)
 
     def __post_init__(self) -> None:
         for name in ("epochs", "batch_size", "commit_every", "keep_last", "log_every"):
@@ -315,6 +346,10 @@ class TrainConfig:
                 f"{self.checkpoint_url!r} ({_where('checkpoint_url')})"
             )
         self.store.store_options(self.checkpoint_url)  # sse on a file:// URL stops here
+        if self.fsdp and self.recipe.ema_decay:
+            raise ConfigError("config: recipe_ema_decay needs a replicated model; with fsdp "
+                              "keep the EMA in your own loop (--recipe-ema-decay / "
+                              f"{ENV_PREFIX}RECIPE_EMA_DECAY)")
 
     # -- sources ------------------------------------------------------------------------
     @classmethod

@@ -30,8 +30,9 @@ class Backend(abc.ABC):
     def local_size(self) -> int: ...
 
     @abc.abstractmethod
-    def wrap(self, model: Any, optimizer: Any) -> tuple[Any, Any]:
-        """The model and optimizer that average gradients across ranks."""
+    def wrap(self, model: Any, optimizer: Any, *, accumulation: int = 1) -> tuple[Any, Any]:
+        """The model and optimizer that average gradients across ranks, once every
+        `accumulation` backward passes (`training.recipe` tells DDP/FSDP which ones)."""
 
     @abc.abstractmethod
     def make_state(self, model: Any, optimizer: Any, **kwargs: Any) -> Any: ...

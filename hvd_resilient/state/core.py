@@ -19,6 +19,7 @@ from hvd_resilient.events import EventLog
 from hvd_resilient.log import get
 from hvd_resilient.state import rng
 from hvd_resilient.state.agreement import Component, digest_tree
+from hvd_resilient.state.optim import load_optimizer_state
 
 log = get("state")
 
@@ -95,7 +96,7 @@ class StateCore:
     def epoch(self) -> int:
         """The sampler's epoch; a script that passed ``epoch=`` (Horovod's idiom) owns it."""
         if "epoch" in self._extra_names:
-            return self.__dict__["_own_epoch"]
+            return self.__dict__.get("_own_epoch", 0)
         return self.sampler.epoch if self.sampler is not None else 0
 
     @epoch.setter
@@ -132,7 +133,7 @@ class StateCore:
         if not self.sharded():
             out += [Component("model", model.state_dict, model.load_state_dict),
                     Component("optimizer", self.optimizer.state_dict,
-                              self.optimizer.load_state_dict)]
+                              lambda sd: load_optimizer_state(self.optimizer, sd))]
         for name, obj in (("sampler", self.sampler), ("scheduler", self.scheduler),
                           *self._stateful.items()):
             if obj is not None:
@@ -219,7 +220,7 @@ class StateCore:
     def load_checkpoint_state(self, sd: dict[str, Any]) -> None:
         """Applies a durable checkpoint locally (no collective)."""
         _unwrapped(self.model).load_state_dict(sd["model"])
-        self.optimizer.load_state_dict(sd["optimizer"])
+        load_optimizer_state(self.optimizer, sd["optimizer"])
         self.load_run_state(sd)
 
     def load_run_state(self, sd: dict[str, Any]) -> None:

@@ -255,7 +255,9 @@ class DurableCheckpoints:
         if save is not None:  # Horovod: the commit point the first sync spreads
             save()
         if self.backend.rank() == 0:
-            extra = {"fetched_by": fetched} if fetched else {}
+            extra: dict[str, Any] = {"fetched_by": fetched} if fetched else {}
+            if not self.state.sharded():  # a sharded digest would be a collective
+                extra["digests"] = self.state.state_digests()  # = the saved step's, checkable
             self.events.emit("resume", from_step=self.state.step, epoch=self.state.epoch,
                              saved_world_size=world_size, layout=layout, source=source,
                              durable_step=published, **extra)

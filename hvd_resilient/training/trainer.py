@@ -35,6 +35,7 @@ from hvd_resilient.training.durable import DurableCheckpoints
 from hvd_resilient.training.faults import ENV as FAULT_ENV
 from hvd_resilient.training.faults import FaultPlan
 from hvd_resilient.training.memory_commits import MemoryCommits
+from hvd_resilient.training.recipe import Recipe
 from hvd_resilient.watchdog import ProgressWatchdog
 
 logger = log.get("trainer")
@@ -98,7 +99,10 @@ class Trainer:
         self.on_step = on_step
         self.batch: LoadedBatch | None = None
         """The batch of the step in progress (or the last one): its sample ids, the step it
-        was loaded for; what `on_step` callbacks may record."""
+        was loaded for; what `on_step` callbacks may record. With gradient accumulation the
+        last micro-batch; `batches` holds them all."""
+        self.batches: list[LoadedBatch] = []
+        """Every micro-batch of the step in progress (one without accumulation)."""
         self.comm = comm
         """An mpi4py communicator to train on (default: COMM_WORLD under mpirun)."""
         self.backend_name = backend
@@ -114,12 +118,17 @@ class Trainer:
         snapshot_pool().enabled = snapshot_pool().enabled and cfg.store.snapshot_reuse
         share_cores(backend.local_size())
         events = EventLog(f"{cfg.run_dir}/events.jsonl", rank=backend.rank, size=backend.size)
-        model, optimizer = backend.wrap(self.model, self.optimizer)
+        model, optimizer = backend.wrap(self.model, self.optimizer,
+                                        accumulation=cfg.recipe.grad_accum)
         self._wrapped = model
+        self.recipe = Recipe(cfg.recipe, model, optimizer,
+                             reduces_in_backward=backend.reduces_in_backward,
+                             device=next(model.parameters()).device)
         sampler = _make_sampler(self.data, cfg)
         state = backend.make_state(
             model, optimizer, sampler=sampler, scheduler=self.scheduler, seed=cfg.seed,
             lr_scaling=cfg.lr_scaling, events=events, last_loss=math.nan,
+            **self.recipe.components(),
         )
         self._faults = FaultPlan.parse(os.environ.get(FAULT_ENV), cfg.run_dir)
         commits = _memory_class(cfg.fsdp)(cfg, state, events, backend)
@@ -168,7 +177,8 @@ class Trainer:
             durable.close(timeout=cfg.grace_seconds)
             commits.close()
         events.emit("done", epoch=state.epoch, loss=state.last_loss,
-                    params_sha256=state.params_sha256())
+                    params_sha256=state.params_sha256(),
+                    digests=None if state.sharded() else state.state_digests())
         if rank0:
             logger.info("done: step %d, epoch %d, loss %.4f", state.step, state.epoch,
                         state.last_loss)
@@ -227,12 +237,12 @@ class Trainer:
                 continue
             rank, size = self.backend.rank(), self.backend.size()
             t_step = time.perf_counter()  # waiting for the batch is this rank's compute too
-            batch = self.batch = self._loader.next_batch(rank, size)
+            batches = self.batches = self._micro_batches(sampler, rank, size)
+            self.batch = batches[-1]
             self._faults.maybe_fire(rank, state.step)
-            loss = self._step(state.optimizer, batch)
-            sampler.advance(batch.global_count)
+            loss = self._step(batches)
             state.step += 1
-            state.samples += batch.global_count
+            state.samples += sum(b.global_count for b in batches)
             if loss is not None:
                 state.last_loss = loss
             if self.scheduler is not None:
@@ -244,7 +254,8 @@ class Trainer:
             steps_since_log += 1
             if state.step % cfg.log_every == 0:
                 now = time.time()
-                rate = steps_since_log * size * cfg.batch_size / max(now - t_log, 1e-9)
+                rate = (steps_since_log * size * cfg.batch_size * cfg.recipe.grad_accum
+                        / max(now - t_log, 1e-9))
                 self._report_progress(state, durable, rate)
                 t_log, steps_since_log = now, 0
             if state.step % cfg.commit_every == 0 or state.host_change_pending():
@@ -254,32 +265,56 @@ class Trainer:
             if durable.due():
                 durable.save()
 
-    def _step(self, optimizer: torch.optim.Optimizer, batch: LoadedBatch) -> float | None:
+    def _micro_batches(self, sampler: Any, rank: int, size: int) -> list[LoadedBatch]:
+        """The step's micro-batches, each advancing the sampler (so the loader plans the next
+        one and a commit after the step covers them all); fewer at the epoch's end."""
+        out = []
+        for _ in range(self.config.recipe.grad_accum):
+            batch = self._loader.next_batch(rank, size)
+            sampler.advance(batch.global_count)
+            out.append(batch)
+            if sampler.epoch_done():
+                break
+        return out
+
+    def _step(self, batches: list[LoadedBatch]) -> float | None:
         self._wrapped.train()
-        optimizer.zero_grad()
-        # A rank with no samples in the epoch's last step (or only bad ones, skipped) still
-        # runs forward and backward (DDP and Horovod both need every rank in the allreduce), on
-        # a filler sample the loader loaded, weighted 0.
-        weight = batch.weight
-        inputs, targets = batch.data
+        recipe = self.recipe
+        recipe.optimizer.zero_grad()
         device = next(self._wrapped.parameters()).device
-        if device.type != "cpu":
-            inputs, targets = _to(inputs, device), _to(targets, device)
-        loss = self.loss_fn(self._wrapped(inputs), targets)
-        # Ranks may hold unequal shares of the last batch of an epoch; weighting by share
-        # makes the averaged gradient the exact mean over the global batch.
-        if self.backend.reduces_in_backward:  # DDP: backward waits for the allreduce
+        total = sum(b.global_count for b in batches)
+        losses: list[tuple[float, int]] = []
+        t_wait = time.perf_counter()
+        for i, batch in enumerate(batches):
+            # A rank with no samples in the epoch's last step (or only bad ones, skipped)
+            # still runs forward and backward (DDP and Horovod both need every rank in the
+            # allreduce), on a filler sample the loader loaded, weighted 0. Weighting by the
+            # rank's share of the micro-batch, and each micro-batch by its share of the step,
+            # makes the averaged gradient the exact mean over the step's samples.
+            weight = batch.weight * (batch.global_count / total if total else 0.0)
+            inputs, targets = batch.data
+            if device.type != "cpu":
+                inputs, targets = _to(inputs, device), _to(targets, device)
+            last = i == len(batches) - 1
+            with recipe.micro_batch(last):
+                with recipe.autocast():
+                    loss = self.loss_fn(self._wrapped(inputs), targets)
+                if last and self.backend.reduces_in_backward:  # DDP: backward waits for peers
+                    t_wait = time.perf_counter()
+                    with self._dog.waiting_for_peers():
+                        recipe.backward(loss * weight)
+                else:
+                    recipe.backward(loss * weight)
+            if batch.used:
+                losses.append((float(loss.detach()), len(batch.used)))
+        if not self.backend.reduces_in_backward:  # Horovod: step() waits for the allreduce
             t_wait = time.perf_counter()
-            with self._dog.waiting_for_peers():
-                (loss * weight).backward()
-                optimizer.step()
-        else:  # Horovod: backward only starts the allreduces; step() waits for them
-            (loss * weight).backward()
-            t_wait = time.perf_counter()
-            with self._dog.waiting_for_peers():
-                optimizer.step()
+        with self._dog.waiting_for_peers():
+            recipe.step()
         self._obs.waited(time.perf_counter() - t_wait)  # the rest of the step is compute
-        return float(loss.detach()) if batch.used else None
+        if len(losses) <= 1:
+            return losses[0][0] if losses else None
+        return sum(v * n for v, n in losses) / sum(n for _, n in losses)
 
     def _stop_for_preemption(self, state: Any, durable: DurableCheckpoints) -> None:
         t0 = time.time()

@@ -18,7 +18,11 @@ VOCAB, DIM = 16, 12
 
 
 class RecipeModel(nn.Module):
-    """Tied embedding/output weights, a frozen projection, BatchNorm's running buffers."""
+    """Tied embedding/output weights, a frozen projection, a norm layer and a buffer.
+
+    LayerNorm, not BatchNorm: BatchNorm's running statistics are each rank's own under Horovod
+    (as in Horovod: `hvd.SyncBatchNorm` shares them; DDP broadcasts rank 0's every forward),
+    so they are equal only right after a sync, which the sync matrix checks."""
 
     def __init__(self, sparse: bool = False) -> None:
         super().__init__()
@@ -26,7 +30,8 @@ class RecipeModel(nn.Module):
         self.frozen = nn.Linear(DIM, DIM)
         self.frozen.requires_grad_(False)
         self.hidden = nn.Linear(DIM, DIM)
-        self.norm = nn.BatchNorm1d(DIM)
+        self.norm = nn.LayerNorm(DIM)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, DIM))
         self.out = nn.Linear(DIM, VOCAB, bias=True)
         if not sparse:
             self.out.weight = self.embed.weight  # tied
@@ -34,7 +39,7 @@ class RecipeModel(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         h = self.embed(idx).mean(dim=1)
         h = torch.relu(self.hidden(self.frozen(h)))
-        return self.out(self.norm(h))
+        return self.out(self.norm(h) * self.scale)
 
 
 def batch(seed: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:

@@ -94,3 +94,95 @@ def test_linear_lr_scaling_follows_world_size_once():
     s.sync()
     assert s.optimizer.param_groups[0]["lr"] == pytest.approx(0.02)
     assert s.lr_scale == 1.0
+
+
+def wrapped(seed: int = 0) -> ElasticState:
+    """As the Trainer builds it: the scheduler on the user's optimizer, Horovod's wrapper
+    around it (a second object sharing the parameter-group dicts)."""
+    torch.manual_seed(seed)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: (step + 1) / 10)
+    dist_opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    return ElasticState(model, dist_opt, sampler=ElasticDataSampler(100, seed=seed),
+                        scheduler=sched)
+
+
+def test_two_restores_without_a_commit_between_give_the_commit_both_times():
+    """Horovod's handler restored the committed optimizer tensors themselves: the steps after
+    the first restore mutated the commit, and a second restore gave that back."""
+    s = wrapped()
+    s.sync()
+    train_steps(s, 2)
+    s.commit()
+    committed = snapshot(s)
+    for _ in range(2):
+        train_steps(s, 3)
+        s.restore()
+        assert snapshot(s) == committed
+
+
+def test_the_schedule_still_steers_the_wrapped_optimizer_after_a_restore():
+    s = wrapped()
+    s.sync()
+    train_steps(s, 2)
+    s.commit()
+    train_steps(s, 1)
+    s.restore()
+    lr = s.optimizer.param_groups[0]["lr"]
+    s.scheduler.step()
+    assert s.optimizer.param_groups[0]["lr"] != lr, "the scheduler steers stale group dicts"
+    assert s.optimizer.param_groups[0]["lr"] == s.scheduler.get_last_lr()[0]
+
+
+def test_horovods_signature_with_its_own_epoch_and_batch():
+    """`TorchState(model, optimizer, batch=0, epoch=0)`: no sampler, epoch and batch the
+    script's own committed attributes."""
+    model = nn.Linear(4, 2)
+    s = ElasticState(model, torch.optim.SGD(model.parameters(), lr=0.1), batch=0, epoch=0)
+    s.sync()
+    assert not s.exact_once
+    s.epoch += 1
+    s.batch = 7
+    s.commit()
+    s.epoch, s.batch = 5, 9
+    s.restore()
+    assert (s.epoch, s.batch) == (1, 7)
+    assert s.checkpoint_state([{}])["extras"] == {"batch": 7, "epoch": 1}
+
+
+def test_epoch_follows_the_sampler_unless_the_script_owns_it():
+    s = make()
+    assert s.exact_once and s.epoch == 0
+    with pytest.raises(AttributeError, match="pass epoch=0"):
+        s.epoch = 3
+
+
+def test_a_grad_scaler_and_an_ema_are_committed_restored_and_checkpointed():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    ema = torch.optim.swa_utils.AveragedModel(
+        model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.5))
+    s = ElasticState(model, opt, scaler=scaler, ema=ema)
+    s.sync()
+    scaler.scale(torch.ones(()))
+    scaler.update(2048.0)
+    ema.update_parameters(model)
+    s.commit()
+    saved = s.checkpoint_state([{}])["components"]
+    assert saved["scaler"]["scale"] == 2048.0 and "n_averaged" in saved["ema"]
+    scaler.update(4.0)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    ema.update_parameters(model)
+    s.restore()
+    assert scaler.get_scale() == 2048.0
+    assert torch.equal(ema.n_averaged, torch.tensor(1))
+    other = ElasticState(nn.Linear(4, 2), torch.optim.Adam(model.parameters()),
+                         scaler=torch.amp.GradScaler("cpu"),
+                         ema=torch.optim.swa_utils.AveragedModel(nn.Linear(4, 2)))
+    other.load_checkpoint_state(from_bytes(to_bytes(s.checkpoint_state([{}]))))
+    assert other.state_digests()["ema"] == s.state_digests()["ema"]
+    assert other.state_digests()["scaler"] == s.state_digests()["scaler"]

@@ -37,16 +37,19 @@ class HorovodBackend(Backend):
     def local_size(self) -> int:
         return hvd.local_size()
 
-    def wrap(self, model: Any, optimizer: Any) -> tuple[Any, Any]:
+    def wrap(self, model: Any, optimizer: Any, *, accumulation: int = 1) -> tuple[Any, Any]:
         if torch.cuda.is_available():  # one GPU per worker, by its rank on the host
             slot = slot_hosts.local_rank()  # with slot hosts hvd.local_rank() is always 0
             torch.cuda.set_device(hvd.local_rank() if slot is None else slot)
             model.cuda()
         if determinism.enabled():  # gradients averaged in one fixed order (docs/determinism.md)
-            return model, ordered.ordered_optimizer(optimizer, model.named_parameters())
-        return model, hvd.DistributedOptimizer(
-            optimizer, named_parameters=model.named_parameters()
-        )
+            opt = ordered.ordered_optimizer(optimizer, model.named_parameters())
+        else:
+            opt = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+        # Accumulated micro-batches: the allreduce fires on the last backward pass; a step
+        # with fewer (the epoch's end) reduces the rest in step()'s synchronize().
+        opt.set_backward_passes_per_step(accumulation)
+        return model, opt
 
     def make_state(self, model: Any, optimizer: Any, **kwargs: Any) -> ElasticState:
         return ElasticState(model, optimizer, **kwargs)

@@ -36,6 +36,7 @@ from hvd_resilient.log import get
 from hvd_resilient.state import rng
 from hvd_resilient.state.agreement import agree
 from hvd_resilient.state.core import StateCore, is_stateful
+from hvd_resilient.state.optim import load_optimizer_state
 
 log = get("state")
 
@@ -77,6 +78,13 @@ class _ModelHandler(ModelStateHandler):
 class _OptimizerHandler(OptimizerStateHandler):
     def save(self) -> None:
         self._saved_optimizer_state = _copy(self.value.state_dict())
+
+    def restore(self) -> None:
+        # From a copy: load_state_dict keeps the given tensors as the live state, so restoring
+        # the commit itself (Horovod's handler) let the next steps mutate it, and a second
+        # failure before the next commit restored that mutated state. Into the live group
+        # dicts, which a scheduler may hold (state/optim.py).
+        load_optimizer_state(self.value, _copy(self._saved_optimizer_state))
 
 
 _GIL_FREE = {ModelStateHandler: _ModelHandler, OptimizerStateHandler: _OptimizerHandler}

@@ -75,7 +75,9 @@ class TorchDistBackend(Backend):
     def local_size(self) -> int:
         return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
-    def wrap(self, model: Any, optimizer: Any) -> tuple[Any, Any]:
+    def wrap(self, model: Any, optimizer: Any, *, accumulation: int = 1) -> tuple[Any, Any]:
+        """DDP or FSDP2; accumulation needs nothing here (`training.recipe` skips the
+        reduction of all but the last micro-batch)."""
         if self.fsdp:
             from hvd_resilient.backends.torchrun import fsdp
 
