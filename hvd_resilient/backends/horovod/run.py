@@ -21,6 +21,7 @@ from horovod.common.elastic import notification_manager
 from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 
 from hvd_resilient import watchdog
+from hvd_resilient.backends import hangup
 from hvd_resilient.backends.horovod import slots
 from hvd_resilient.backends.horovod.detect import driver_watch, peer_watch
 from hvd_resilient.backends.horovod.detect import silent_peers as horovod_silent
@@ -89,6 +90,7 @@ def run(func: Callable[..., T] | None = None, *,
                     return result
                 except HorovodInternalError as e:
                     detected = time.time()
+                    hangup.hang_up(watch.stand_down())  # peers blocked on us fail now
                     if horovod_silent.evicted_within(driver, slot, os.getpid(),
                                                      horovod_silent.ASK_S, until_answer=True):
                         log.error("the other workers evicted this one as silent (frozen or cut "

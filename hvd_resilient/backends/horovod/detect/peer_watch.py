@@ -68,6 +68,7 @@ class PeerWatch:
         self._lock = threading.Lock()
         self._armed = False
         self._socks: list[socket.socket] = []
+        self._conns: list[Conn] = []
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.detected_at: float | None = None
@@ -78,14 +79,16 @@ class PeerWatch:
         of connections watched; 0 means detection falls back to the Gloo timeout."""
         self.disarm()
         conns = peer_connections(everyone, me)
-        socks = []
+        socks, watched = [], []
         for c in conns:
             try:
                 socks.append(socket.socket(fileno=os.dup(c.fd)))
             except OSError:
                 continue
+            watched.append((c.local, c.remote))
         with self._lock:
             self._socks = socks
+            self._conns = watched
             self._armed = True
             self.detected_at = None
             self.detail = ""
@@ -103,6 +106,7 @@ class PeerWatch:
             self._armed = False
             self._stop.set()
             socks, self._socks = self._socks, []
+            self._conns = []
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=1.0)
         self._thread = None
@@ -111,6 +115,16 @@ class PeerWatch:
                 s.close()
             except OSError:
                 pass
+
+    def stand_down(self) -> list[Conn]:
+        """This rank gave up its collectives: the watch stops reporting (the hang-ups that follow
+        may be the echo of this rank's own, `hangup.hang_up`, not a peer's death) and returns the
+        connections it watched, for the caller to hang up on. What it detected before stays in
+        `detected_at`; `disarm()` still follows."""
+        with self._lock:
+            self._armed = False
+            self._stop.set()
+            return list(self._conns)
 
     def _watch(self, socks: list[socket.socket], stop: threading.Event) -> None:
         poller = select.poll()
