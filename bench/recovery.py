@@ -48,8 +48,17 @@ timeout) except on one host, where plain Horovod ends the job on the first failu
 its best setup (one-slot host names and `--gloo-timeout-seconds 3`, as measured in the field
 notes).
 
-Usage: ``python bench/recovery.py --repeats 5 --vanilla-repeats 3`` (about 25 minutes here);
-prints a markdown table and writes ``bench/results/recovery.json``.
+The tail (issue #31): `random_kill_1host` SIGKILLs a random worker of three one-slot hosts (what
+`hvd-resilient run` makes of `localhost:3`) at a random moment, from outside (not at a step
+boundary as the injected faults do: mid-collective too), `--random-kills` runs (default 20);
+`random_kill_1host_busy` does the same beside a neighbour process spinning on one core. They
+report the median, p90 and max of every time and the count of runs whose first step came more
+than 2 s after the kill: ``python bench/recovery.py --only random_kill_1host,random_kill_1host_busy
+--out bench/results/recovery-random.json`` (a minute or so a run here).
+
+Usage: ``python bench/recovery.py --repeats 5 --vanilla-repeats 3`` (about 25 minutes here,
+and the two random-kill rows 40 runs more); prints a markdown table and writes
+``bench/results/recovery.json``.
 """
 
 from __future__ import annotations
@@ -59,6 +68,7 @@ import json
 import math
 import os
 import platform
+import random
 import re
 import shutil
 import signal
@@ -126,6 +136,7 @@ class Scenario:
     train_args: list[str] = field(default_factory=list)  # torchrun, mpi: instead of DIGITS_ARGS
     durable_only: bool = False  # the second stack is ours with the memory tier off, not vanilla
     resume_from: str = "memory"  # durable_only: where ours must resume from (expected_source)
+    busy: int = 0  # processes spinning on a core beside the job (a busy neighbour)
 
 
 def scenarios() -> list[Scenario]:
@@ -151,6 +162,12 @@ def scenarios() -> list[Scenario]:
         Scenario("host_added_cold", "host added via discovery, standby workers off",
                  "localhost:2", 2, 2, 4, change_to="localhost:2\n127.0.0.1:2", steps=400,
                  env={"HVD_RESILIENT_STANDBY": "0"}, vanilla=False),
+        # The tail: a random worker killed at a random moment, --random-kills runs each.
+        Scenario("random_kill_1host", "kill -9 a random worker at a random moment, 1 host x 3",
+                 "localhost:3", 3, 2, 3, kind="random_kill", vanilla=False),
+        Scenario("random_kill_1host_busy", "kill -9 a random worker at a random moment, 1 host "
+                 "x 3, a neighbour spinning on one core", "localhost:3", 3, 2, 3,
+                 kind="random_kill", vanilla=False, busy=1),
         Scenario("torchrun_kill", "torchrun, kill -9 one worker (2 workers)", "", 2, 2, 2,
                  fault="kill:rank=1:step=70", kind="torchrun"),
         # Failures that send no hang-up. Vanilla gets Horovod's default 30 s Gloo timeout
@@ -300,11 +317,17 @@ def run_once(sc: Scenario, stack: str, work: Path, timeout: float) -> dict[str, 
                HVD_RESILIENT_STORE_MEMORY_DIR=str(shm),
                **(sc.env if stack != "vanilla" else {}))
     events_path = run / "events.jsonl"
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                             stdin=subprocess.DEVNULL, start_new_session=True)
+            for _ in range(sc.busy)]
     with open(run / "console.log", "wb") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True, cwd=run)
     t_change = None
+    killed: dict[str, Any] = {}
     try:
+        if sc.kind == "random_kill":
+            t_change = kill_random_worker(events_path, sc.np, timeout, proc, killed)
         if sc.change_to:
             def committed_100() -> bool:
                 return any(e["event"] == "commit" and e["step"] >= 100
@@ -321,6 +344,9 @@ def run_once(sc: Scenario, stack: str, work: Path, timeout: float) -> dict[str, 
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        for b in busy:
+            b.kill()
+            b.wait()
         shutil.rmtree(shm, ignore_errors=True)
     evs = list(read_events(events_path))
     if sc.durable_only:  # every worker restarts: where it resumed from, how much it redid
@@ -332,8 +358,31 @@ def run_once(sc: Scenario, stack: str, work: Path, timeout: float) -> dict[str, 
         result = measure(evs, run, t_change, reset_event="launcher_exit", first_event="resume")
     else:
         result = measure(evs, run, t_change)
-    result.update(rc=rc, run_dir=str(run))
+    result.update(rc=rc, run_dir=str(run), **killed)
     return result
+
+
+def kill_random_worker(events_path: Path, np: int, timeout: float, proc: subprocess.Popen,
+                       out: dict[str, Any]) -> float | None:
+    """Once the job committed step 20 at full size: waits 0-2 s (a random moment of a step,
+    collectives included), then SIGKILLs the process of a random rank. Returns when it did
+    (None: the job never got there), and notes which rank and process in `out`."""
+    def started() -> bool:
+        return any(e["event"] == "commit" and e["step"] >= 20 and e["size"] == np
+                   for e in read_events(events_path))
+    if not wait_until(started, timeout, proc):
+        return None
+    time.sleep(random.uniform(0.0, 2.0))  # the randomness of the moment, not a wait for anything
+    rank = random.randrange(np)
+    pids = [e["pid"] for e in read_events(events_path) if e["event"] == "start"
+            and e["rank"] == rank]
+    t_kill = time.time()
+    try:
+        os.kill(pids[-1], signal.SIGKILL)
+    except (IndexError, ProcessLookupError):
+        return None
+    out.update(killed_rank=rank, killed_pid=pids[-1])
+    return t_kill
 
 
 RELAUNCHED = ("horovod_driver", "torchrun_nodes")
@@ -567,6 +616,17 @@ METRICS = ("detect_s", "reset_s", "first_step_s", "stalled_s", "new_size_commit_
            "relaunch_to_first_step_s", "first_trained_s", "caught_up_s")
 
 
+TAIL_METRICS = ("detect_s", "reset_s", "first_step_s", "stalled_s")
+SLOW_S = 2.0
+"""A run whose first step came later than this after the fault counts as slow (issue #31)."""
+
+
+def p90(xs: list[float]) -> float:
+    """The nearest-rank 90th percentile (of 20 runs: the 18th)."""
+    ordered = sorted(xs)
+    return ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]
+
+
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"runs": len(runs), "finished": sum(bool(r.get("finished"))
                                                                 for r in runs)}
@@ -575,6 +635,12 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         out[m] = round(statistics.median(xs), 3) if xs else None
         if xs and len(xs) > 1:
             out[m + "_range"] = [min(xs), max(xs)]
+        if xs and m in TAIL_METRICS:
+            out[m + "_p90"] = p90(xs)
+            out[m + "_max"] = max(xs)
+    firsts = [r.get("first_step_s") for r in runs]
+    # a run that never reached a first step is slow too
+    out["runs_over_2s"] = sum(1 for x in firsts if x is None or x > SLOW_S)
     sources = sorted({r["source"] for r in runs if "source" in r})
     if sources:
         out["sources"] = sources
@@ -628,9 +694,10 @@ def table(results: dict[str, Any]) -> str:
     if all(sc.get("durable_only") for sc in results["scenarios"]):
         return restart_table(results)
     lines = [
-        "| scenario | stack | runs (finished) | detect | reset | first step | training stalled "
-        "| new-size commit | steps lost | first step vs vanilla |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| scenario | stack | runs (finished) | detect | reset | first step | first step p90 "
+        "/ max | runs > 2 s | training stalled | new-size commit | steps lost "
+        "| first step vs vanilla |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for sc in results["scenarios"]:
         if sc.get("durable_only"):
@@ -647,6 +714,8 @@ def table(results: dict[str, Any]) -> str:
             lines.append(
                 f"| {sc['title']} | {stack} | {s['runs']} ({s['finished']}) | "
                 f"{fmt(s['detect_s'])} | {fmt(s['reset_s'])} | {fmt(s['first_step_s'])} | "
+                f"{fmt(s.get('first_step_s_p90'))} / {fmt(s.get('first_step_s_max'))} | "
+                f"{s.get('runs_over_2s', '-')} | "
                 f"{fmt(s.get('stalled_s'))} | {fmt(s['new_size_commit_s'])} | "
                 f"{fmt(s['lost_steps'], '')} | {ratio} |"
             )
@@ -664,6 +733,8 @@ def main() -> int:
         sc.name for sc in scenarios()))
     p.add_argument("--vanilla-skip", default="",
                    help="comma-separated scenario names to run without their vanilla runs")
+    p.add_argument("--random-kills", type=int, default=20,
+                   help="runs of each random-kill scenario (instead of --repeats)")
     p.add_argument("--timeout", type=float, default=240.0, help="per run")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "recovery.json"))
     p.add_argument("--keep", action="store_true", help="keep run folders")
@@ -691,7 +762,7 @@ def main() -> int:
                 entry.update(durable_only=True, train_args=sc.train_args)
             second = "durable" if sc.durable_only else "vanilla"
             plan = [(stack, n) for stack, n in (
-                ("ours", a.repeats),
+                ("ours", a.random_kills if sc.kind == "random_kill" else a.repeats),
                 (second, a.vanilla_repeats if sc.vanilla and sc.name not in skip else 0)) if n]
             if sc.durable_only:  # ours and durable only in turn: the load drifts over both
                 order = [st for i in range(max(n for _, n in plan)) for st, n in plan if i < n]
