@@ -31,12 +31,14 @@ import torch
 import xxhash
 
 from hvd_resilient.checkpoint.serialize import map_leaves
+from hvd_resilient.errors import HvdResilientError
 
 PLAIN = (int, float, str, bool, bytes, type(None), torch.dtype, torch.device, torch.Size)
 
 
-class SyncDivergenceError(RuntimeError):
-    """Ranks still hold different state after it was sent from rank 0 twice. One line."""
+class SyncDivergenceError(HvdResilientError):
+    """Ranks still hold different state after it was sent from rank 0 twice. One line; fatal
+    (no restart would make a component that cannot take rank 0's values take them)."""
 
 
 class Collectives(Protocol):

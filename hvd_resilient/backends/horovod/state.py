@@ -206,7 +206,7 @@ class ElasticState(StateCore, TorchState):
         """Rank 0's committed plain attributes (Horovod's semantics), then every component
         agreed and proven equal (`state.agreement`); an event says what was sent."""
         ObjectState.sync(self)
-        found = agree(self.sync_components(), self._collectives)
+        found = self.last_agreement = agree(self.sync_components(), self._collectives)
         if hvd.rank() == 0:
             self.events.emit("sync_check", sent=found.sent, differing_ranks=found.ranks,
                              repaired=found.repaired, seconds=found.seconds,

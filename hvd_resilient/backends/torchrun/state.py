@@ -56,7 +56,7 @@ class TorchrunState(StateCore):
         rank loaded the same checkpoint; the agreement proves it (and repairs what differs:
         the optimizer, the scaler, the EMA, which DDP never sends). Then the per-rank parts."""
         if self._collectives is not None and self._size() > 1:
-            found = agree(self.sync_components(), self._collectives)
+            found = self.last_agreement = agree(self.sync_components(), self._collectives)
             if self._rank() == 0:
                 self.events.emit("sync_check", sent=found.sent, differing_ranks=found.ranks,
                                  repaired=found.repaired, seconds=found.seconds,
