@@ -60,6 +60,8 @@ def main() -> int:
     p.add_argument("--abandon-rank", type=int, default=1)
     p.add_argument("--abandon-step", type=int, default=35)
     p.add_argument("--step-time", type=float, default=0.02)
+    p.add_argument("--heartbeat-timeout", type=float, default=1.5,
+                   help="seconds; longer on a machine so loaded that a live worker starves")
     a = p.parse_args()
 
     hvd.init()
@@ -75,7 +77,7 @@ def main() -> int:
     state = ElasticState(model, opt, sampler=ElasticDataSampler(len(x), seed=0), events=events)
     marker = Path(a.run_dir) / f".fault-0-abandon-r{a.abandon_rank}-s{a.abandon_step}"
 
-    @hvd_resilient.run
+    @hvd_resilient.run(heartbeat_timeout_s=a.heartbeat_timeout)
     def train(state: ElasticState) -> None:
         events.emit("enter", at_step=state.step)
         conns: list[peer_watch.tcp_sockets.TcpSocket] = []
