@@ -4,8 +4,10 @@ cannot fix.
 In-process recovery (Horovod Elastic) covers lost workers; this covers the rest: an MPI job
 that ends when one rank dies, a driver that dies, preemption. Each relaunch resumes from the
 newest durable checkpoint because the training script does so on start. The supervisor
-decides from the run's event log, not from console text: a launch in which no rank ever
-started training, or a rank reported a `fatal` error, is not retried.
+decides from the run's event log, not from console text: a launch in which no rank wrote a
+`start` event (so nothing says a relaunch would resume), or a rank reported a `fatal` error,
+is not retried. The launcher's output passes through the supervisor (`launcher_output`) only
+so that the message of a launch without events can say what the output showed.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +23,7 @@ from pathlib import Path
 
 from hvd_resilient.errors import FATAL_EXIT_CODE
 from hvd_resilient.events import EventLog, read_events
+from hvd_resilient.launch.launcher_output import OutputFacts, Tee
 from hvd_resilient.log import get
 
 log = get("supervisor")
@@ -56,6 +60,21 @@ class Supervisor:
     def _events_since(self, t0: float) -> list[dict]:
         return [e for e in read_events(self.events_path) if e["ts"] >= t0]
 
+    def _launch(self) -> tuple[int, OutputFacts]:
+        """One launch, its output passed through to ours as it comes and read on the way."""
+        facts, lock = OutputFacts(), threading.Lock()
+        self._child = subprocess.Popen(self.cmd, env=self.env, start_new_session=True,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert self._child.stdout is not None and self._child.stderr is not None
+        tees = [Tee(os.dup(stream.fileno()), fd, facts, lock)
+                for stream, fd in ((self._child.stdout, 1), (self._child.stderr, 2))]
+        self._child.stdout.close()
+        self._child.stderr.close()
+        code = self._child.wait()
+        for tee in tees:  # the launcher's own children may hold the pipes open: bounded
+            tee.thread.join(timeout=5.0)
+        return code, facts
+
     def run(self) -> Outcome:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             signal.signal(sig, self._on_signal)
@@ -63,8 +82,7 @@ class Supervisor:
         while True:
             t0 = time.time()
             self.events.emit("launch", attempt=attempt, command=self.cmd[0])
-            self._child = subprocess.Popen(self.cmd, env=self.env, start_new_session=True)
-            code = self._child.wait()
+            code, facts = self._launch()
             evs = self._events_since(t0)
             self.events.emit("launcher_exit", attempt=attempt, exit_code=code)
             fatal = [e for e in evs if e["event"] == "fatal"]
@@ -78,8 +96,12 @@ class Supervisor:
             if self._stopping:
                 return Outcome(code, attempt, "stopped by a signal to the supervisor")
             if not any(e["event"] == "start" and e["rank"] >= 0 for e in evs):
-                return Outcome(code, attempt, "not restarting: the training script exited "
-                               "before any rank started training (see its output above)")
+                # A script that writes no events (a plain Horovod one) may well have trained:
+                # say what is known, and only that.
+                return Outcome(code, attempt, f"not restarting: no rank wrote a `start` event "
+                               f"to {self.events_path}, so a relaunch is not known to resume; "
+                               f"the launcher exited with code {code}; {facts.describe()} "
+                               "(its output is above)")
             if attempt >= self.max_restarts:
                 return Outcome(code, attempt, f"gave up after {attempt} restarts")
             delay = min(self.backoff[1], self.backoff[0] * 2**attempt)
