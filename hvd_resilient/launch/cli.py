@@ -18,7 +18,12 @@ from typing import Any
 
 from hvd_resilient.config import TrainConfig, load_file, refuse_credentials, refuse_unknown
 from hvd_resilient.errors import SUPERVISED_ENV, ConfigError, LaunchError
-from hvd_resilient.launch.commands import horovodrun_static, mpirun_command, torchrun_command
+from hvd_resilient.launch.commands import (
+    horovodrun_static,
+    hosts_arg,
+    mpirun_command,
+    torchrun_command,
+)
 from hvd_resilient.launch.horovod.command import ElasticLaunch, horovodrun_command
 from hvd_resilient.launch.supervisor import Supervisor
 from hvd_resilient.masking import has_credentials, mask_env, mask_text, mask_url
@@ -97,11 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"processes to start; with --discovery the first world size; torchrun: "
                         f"processes per node (default {d['np']})")
     p.add_argument("--min-np", type=int,
-                   help="horovod with --discovery: train on down to this many processes "
-                        "(default 1)")
+                   help="horovod with --discovery, or with --hosts (elastic on fixed hosts, "
+                        "as horovodrun -H with --min-np): train on down to this many "
+                        "processes (default 1)")
     p.add_argument("--max-np", type=int,
-                   help="horovod with --discovery: grow up to this many processes "
-                        "(default: --np)")
+                   help="horovod with --discovery or elastic --hosts: grow up to this many "
+                        "processes (default: --np)")
     p.add_argument("--checkpoint", metavar="URL",
                    help="durable checkpoints: file:///path or s3://bucket/prefix, credentials "
                         "never in it (default <run-dir>/checkpoints)")
@@ -132,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="horovod: seconds to wait for --min-np slots "
                         f"(default {d['elastic_timeout']})")
     p.add_argument("--blacklist-cooldown-range", type=int, nargs=2, metavar=("MIN", "MAX"),
-                   help="horovod: a failed slot is readmitted after MIN..MAX s (default 10 30)")
+                   help="horovod: a failed slot is readmitted after MIN..MAX s; 0 0: never "
+                        "(plain horovodrun's default) (default 10 30)")
     p.add_argument("--no-slot-hosts", dest="slot_hosts", action="store_false", default=None,
                    help="horovod: blacklist whole hosts on a failure, as plain horovodrun does "
                         "(default: per slot, so one dead worker never ends a one-host job)")
@@ -244,9 +251,10 @@ def check_sizes(opts: dict[str, Any]) -> None:
     np, lo, hi = opts["np"], opts.get("min_np"), opts.get("max_np")
     if np < 1:
         raise ConfigError(f"run: --np must be >= 1, got {np}")
-    if (lo is not None or hi is not None) and not opts.get("discovery"):
+    if (lo is not None or hi is not None) and not elastic_hosts(opts) \
+            and not opts.get("discovery"):
         raise ConfigError("run: --min-np/--max-np size an elastic job: they need --discovery "
-                          "(--backend horovod); without it the job runs at --np")
+                          "or --hosts (--backend horovod); without them the job runs at --np")
     if lo is not None and lo < 1:
         raise ConfigError(f"run: --min-np must be >= 1, got {lo}")
     if hi is not None and hi < 1:
@@ -266,6 +274,10 @@ def check_sizes(opts: dict[str, Any]) -> None:
         value = opts.get(name)
         if value is not None and value < least:
             raise ConfigError(f"run: --{name.replace('_', '-')} must be >= {least}, got {value}")
+    cooldown = opts.get("blacklist_cooldown_range") or [10, 30]
+    if list(cooldown) != [0, 0] and not 0 < cooldown[0] <= cooldown[1]:
+        raise ConfigError(f"run: --blacklist-cooldown-range needs 0 < MIN <= MAX (or 0 0: a "
+                          f"failed host never comes back), got {cooldown[0]} {cooldown[1]}")
     if opts["ssh_port"] > 65535:
         raise ConfigError(f"run: --ssh-port must be a port number, got {opts['ssh_port']}")
     nodes = str(opts.get("nnodes") or "1").split(":")
@@ -273,6 +285,14 @@ def check_sizes(opts: dict[str, Any]) -> None:
             or int(nodes[0]) > int(nodes[-1])):
         raise ConfigError(f"run: --nnodes must be N or MIN:MAX with 1 <= MIN <= MAX, got "
                           f"{opts.get('nnodes')!r}")
+
+
+def elastic_hosts(opts: dict[str, Any]) -> bool:
+    """--hosts with --min-np or --max-np under --backend horovod: an elastic job on fixed
+    hosts (horovodrun -H ... --min-np N: Horovod's own elastic mode without a discovery
+    script), which recovers from failures in place but never grows beyond those hosts."""
+    return bool(opts.get("hosts")) and opts.get("backend") == "horovod" and (
+        opts.get("min_np") is not None or opts.get("max_np") is not None)
 
 
 def launcher_command(opts: dict[str, Any], env_names: list[str]) -> list[str]:
@@ -285,15 +305,17 @@ def launcher_command(opts: dict[str, Any], env_names: list[str]) -> list[str]:
             opts["np"], opts["nnodes"], opts["rdzv_endpoint"], opts["torchrun_restarts"],
             opts["run_id"], train,
         )
-    if opts.get("discovery"):
+    if opts.get("discovery") or elastic_hosts(opts):
+        cooldown = tuple(opts["blacklist_cooldown_range"])
         launch = ElasticLaunch(
             np=opts["np"], min_np=opts.get("min_np") or 1,
-            max_np=opts.get("max_np") or opts["np"], discovery_script=opts["discovery"],
+            max_np=opts.get("max_np") or opts["np"], discovery_script=opts.get("discovery"),
+            hosts=hosts_arg(hosts) if hosts else None,
             network_interface=opts.get("network_interface"),
             gloo_timeout_seconds=opts["gloo_timeout_seconds"],
             reset_limit=opts.get("reset_limit"),
             elastic_timeout=opts["elastic_timeout"],
-            blacklist_cooldown=tuple(opts["blacklist_cooldown_range"]),
+            blacklist_cooldown=None if cooldown == (0, 0) else cooldown,
         )
         return horovodrun_command(launch, train)
     return horovodrun_static(opts["np"], hosts, opts.get("network_interface"), train)

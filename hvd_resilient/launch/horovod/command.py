@@ -21,7 +21,9 @@ class ElasticLaunch:
     np: int
     min_np: int
     max_np: int
-    discovery_script: str
+    discovery_script: str | None = None
+    hosts: str | None = None
+    """Fixed hosts `h1:2,h2:2` instead of a discovery script (horovodrun -H, elastic)."""
     network_interface: str | None = None
     gloo_timeout_seconds: int = 30
     """How long a collective waits for a peer before the survivors give up on it."""
@@ -45,8 +47,11 @@ class ElasticLaunch:
                 f"launch: --np {self.np} must lie between --min-np {self.min_np} and "
                 f"--max-np {self.max_np}"
             )
+        if (self.discovery_script is None) == (self.hosts is None):
+            raise ConfigError("launch: an elastic job needs a discovery script or fixed hosts "
+                              "(one of the two)")
         path = self.discovery_script
-        if not os.path.isfile(path) or not os.access(path, os.X_OK):
+        if path is not None and not (os.path.isfile(path) and os.access(path, os.X_OK)):
             raise ConfigError(
                 f"launch: discovery script {path!r} is not an executable file "
                 f"(chmod +x it, or pass the full path)"
@@ -68,7 +73,8 @@ def horovodrun_command(launch: ElasticLaunch, train_cmd: list[str]) -> list[str]
     cmd = [
         *exe, "-np", str(launch.np), "--min-np", str(launch.min_np),
         "--max-np", str(launch.max_np),
-        "--host-discovery-script", os.path.abspath(launch.discovery_script),
+        *(["--host-discovery-script", os.path.abspath(launch.discovery_script)]
+          if launch.discovery_script else ["-H", str(launch.hosts)]),
         "--gloo-timeout-seconds", str(launch.gloo_timeout_seconds),
         "--elastic-timeout", str(launch.elastic_timeout),
         "--start-timeout", str(launch.start_timeout),
