@@ -28,5 +28,14 @@ __all__ = ["__version__", *_LAZY]
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        try:
+            module = importlib.import_module(_LAZY[name])
+        except ModuleNotFoundError as e:
+            if e.name not in ("horovod", "mpi4py"):
+                raise
+            raise ImportError(f"hvd_resilient.{name} needs Horovod, which is not installed: "
+                              "pip install 'hvd_resilient[horovod]' (Horovod 0.28.1 needs a "
+                              "C++17 patch on torch >= 2.1: `make install` builds it), or use "
+                              "the torchrun backend") from None
+        return getattr(module, name)
     raise AttributeError(f"module 'hvd_resilient' has no attribute {name!r}")

@@ -83,7 +83,7 @@ if ! "$VPY" -c 'import horovod.torch' >/dev/null 2>&1; then
 fi
 
 # ---- the project and the rest ----------------------------------------------------------
-pip_q -e "${ROOT}[test]"
+pip_q -e "${ROOT}[test,horovod]"
 
 # ---- checks ----------------------------------------------------------------------------
 check="$("$VENV/bin/horovodrun" --check-build)"

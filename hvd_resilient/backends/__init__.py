@@ -7,13 +7,43 @@ talk to whichever backend through the small interface in `base.py`.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from hvd_resilient.backends.base import Backend
 from hvd_resilient.config import RecoveryOptions
 from hvd_resilient.errors import ConfigError
 
-NAMES = ("horovod", "torchrun")
+Factory = Callable[..., Backend]
+"""Builds a backend from ``fsdp=`` and ``recovery=`` (a `RecoveryOptions`)."""
+
+
+def _horovod(*, fsdp: bool, recovery: RecoveryOptions) -> Backend:
+    from hvd_resilient.backends.horovod.backend import HorovodBackend
+
+    return HorovodBackend(heartbeat_timeout_s=recovery.heartbeat_timeout_seconds)
+
+
+def _torchrun(*, fsdp: bool, recovery: RecoveryOptions) -> Backend:
+    from hvd_resilient.backends.torchrun.backend import TorchDistBackend
+
+    return TorchDistBackend(fsdp=fsdp, pg_timeout_seconds=recovery.pg_timeout_seconds,
+                            heartbeat_timeout_s=recovery.heartbeat_timeout_seconds)
+
+
+_REGISTRY: dict[str, Factory] = {"horovod": _horovod, "torchrun": _torchrun}
+"""name -> factory; a factory imports its backend only when called (Horovod is optional)."""
+NAMES = tuple(_REGISTRY)
+
+
+def register(name: str, factory: Factory) -> None:
+    """Adds a backend under ``name`` (docs/extending.md); a second one of a name is refused."""
+    if name in _REGISTRY:
+        raise ValueError(f"a backend named {name!r} is registered already")
+    _REGISTRY[name] = factory
+
+
+def names() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
 
 
 def detect(env: Mapping[str, str] = os.environ) -> str:
@@ -22,27 +52,23 @@ def detect(env: Mapping[str, str] = os.environ) -> str:
     return "torchrun" if "TORCHELASTIC_RUN_ID" in env else "horovod"
 
 
-def get(name: str | None = None, *, fsdp: bool = False,
+def get(name: str | Backend | None = None, *, fsdp: bool = False,
         recovery: RecoveryOptions | None = None) -> Backend:
-    """The backend called ``name`` (default: the launcher's). ``fsdp`` shards the model
-    (torchrun only: asking for it on Horovod is a ConfigError, before anything starts);
-    ``recovery`` carries the detection settings (timeouts, heartbeats) from the config."""
+    """The backend called ``name`` (default: the launcher's), or ``name`` itself when it is a
+    backend instance. ``fsdp`` shards the model (torchrun only: asking for it on Horovod is a
+    ConfigError, before anything starts); ``recovery`` carries the detection settings
+    (timeouts, heartbeats) from the config."""
+    if isinstance(name, Backend):
+        return name
     recovery = recovery or RecoveryOptions()
     name = name or detect()
-    if fsdp and name in NAMES:
+    if name not in _REGISTRY:
+        raise ConfigError(f"backend must be one of {', '.join(_REGISTRY)}, got {name!r}")
+    if fsdp and name in ("horovod", "torchrun"):
         from hvd_resilient.backends.torchrun.fsdp import require_torchrun
 
         require_torchrun(name)
-    if name == "horovod":
-        from hvd_resilient.backends.horovod.backend import HorovodBackend
-
-        return HorovodBackend(heartbeat_timeout_s=recovery.heartbeat_timeout_seconds)
-    if name == "torchrun":
-        from hvd_resilient.backends.torchrun.backend import TorchDistBackend
-
-        return TorchDistBackend(fsdp=fsdp, pg_timeout_seconds=recovery.pg_timeout_seconds,
-                                heartbeat_timeout_s=recovery.heartbeat_timeout_seconds)
-    raise ConfigError(f"backend must be one of {', '.join(NAMES)}, got {name!r}")
+    return _REGISTRY[name](fsdp=fsdp, recovery=recovery)
 
 
-__all__ = ["Backend", "NAMES", "detect", "get"]
+__all__ = ["Backend", "NAMES", "detect", "get", "names", "register"]

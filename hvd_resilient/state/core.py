@@ -66,6 +66,7 @@ class StateCore:
         self.last_commit_step = 0
         self._after_sync: list[Callable[[], None]] = []
         self._before_commit: list[Callable[[], None]] = []
+        self._after_reset: list[Callable[[], None]] = []
 
     # -- hooks ------------------------------------------------------------------------------
     def on_sync(self, fn: Callable[[], None]) -> None:
@@ -77,6 +78,14 @@ class StateCore:
         """Runs ``fn`` on every rank at each commit, before the commit point is taken, so what
         it changes in the state is committed with it. Collectives are allowed."""
         self._before_commit.append(fn)
+
+    def after_reset(self, fn: Callable[[], None]) -> None:
+        """Runs ``fn`` after every in-process reset (a backend whose recovery restarts the
+        processes never calls it)."""
+        self._after_reset.append(fn)
+
+    def mark_commit_point(self) -> None:
+        """Nothing survives in this process's memory: the tiers are the commit point."""
 
     def _run_hooks(self, hooks: list[Callable[[], None]]) -> None:
         for fn in hooks:

@@ -251,9 +251,7 @@ class DurableCheckpoints:
         """Bookkeeping once a checkpoint is in the state: the resume event and log line.
         ``published`` is the newest durable step (a commit from memory is not durable)."""
         self.state.ckpt_requested = self.state.ckpt_published = published
-        save = getattr(self.state, "save", None)
-        if save is not None:  # Horovod: the commit point the first sync spreads
-            save()
+        self.state.mark_commit_point()  # Horovod: what the first sync spreads
         if self.backend.rank() == 0:
             extra: dict[str, Any] = {"fetched_by": fetched} if fetched else {}
             if not self.state.sharded():  # a sharded digest would be a collective

@@ -85,7 +85,7 @@ class Trainer:
         collate_fn: Callable[[list[Any]], Any] = default_collate,
         on_step: Callable[[Any, float], None] | None = None,
         comm: Any | None = None,
-        backend: str | None = None,
+        backend: str | backends.Backend | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -106,7 +106,8 @@ class Trainer:
         self.comm = comm
         """An mpi4py communicator to train on (default: COMM_WORLD under mpirun)."""
         self.backend_name = backend
-        """horovod or torchrun; default: whichever launcher started this process."""
+        """A registered backend's name (horovod, torchrun) or a `Backend` instance; default:
+        whichever launcher started this process."""
 
     def fit(self) -> FitResult:
         cfg = self.config
@@ -186,8 +187,6 @@ class Trainer:
                          backend.rank())
 
     def _watch_memory(self, state: Any, events: EventLog, backend: Any) -> None:
-        if not hasattr(state, "register_reset_callbacks"):
-            return  # torchrun: a restart is a new process, nothing accumulates
         watch = memory.GrowthWatch()
 
         def after_reset() -> None:
@@ -198,7 +197,7 @@ class Trainer:
                 events.emit("memory_growth", warning=warning)
                 logger.warning("rank %d: %s", backend.rank(), warning)
 
-        state.register_reset_callbacks([after_reset])
+        state.after_reset(after_reset)  # never under torchrun: a restart is a new process
 
     def _report_progress(self, state: Any, durable: DurableCheckpoints, rate: float) -> None:
         """Every rank records its memory; rank 0 records and shows progress."""

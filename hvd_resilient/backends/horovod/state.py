@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import horovod.torch as hvd
@@ -223,6 +224,14 @@ class ElasticState(StateCore, TorchState):
         # the next commit restores this, not whatever a freshly started worker had.
         self.save()
         self._run_hooks(self._after_sync)
+
+    def after_reset(self, fn: Callable[[], None]) -> None:
+        """Horovod's reset callbacks (`on_reset()` is Horovod's own: it runs them)."""
+        self.register_reset_callbacks([fn])
+
+    def mark_commit_point(self) -> None:
+        """What the first sync spreads and a restore returns to."""
+        self.save()
 
     def mark_fatal(self, error: str) -> None:
         """Rank 0 at start: committed, so the first sync (which sends rank 0's committed

@@ -1,5 +1,6 @@
-"""Training state under torchrun: nothing survives in memory (torchrun restarts every worker),
-so there is nothing to commit; recovery is the durable checkpoint every rank reads on start."""
+"""Training state under torchrun: nothing survives in the process (torchrun restarts every
+worker), so a commit is only the point the tiers save; recovery is the memory tier's copy of
+the last commit, or the durable checkpoint, which every rank reads on start."""
 
 from __future__ import annotations
 
@@ -71,6 +72,13 @@ class TorchrunState(StateCore):
     def commit(self) -> None:
         self._run_hooks(self._before_commit)
         self.last_commit_step = self.step
+
+    def restore(self) -> None:
+        """Never called: torchrun's recovery restarts every worker, which resume from the
+        tiers; a caller that gets here assumed in-process recovery."""
+        raise RuntimeError("torchrun keeps no commit in the process to restore: a failure "
+                           "restarts every worker, which resume from the memory tier or the "
+                           "durable checkpoint")
 
     def host_change_pending(self) -> bool:
         """torchrun restarts the whole group on any membership change: never anything to do."""
