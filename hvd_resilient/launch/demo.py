@@ -207,6 +207,7 @@ def main(argv: list[str]) -> int:
         r = json.loads(result.read_text())
         _say(f"final train loss {r['train_loss']:.3f}, held-out {r['held_out_loss']:.3f} "
              f"nats/byte (unigram baseline {r['unigram_baseline']:.3f})")
+    agreed = _ranks_agree(run_dir / "events.jsonl")
     print(flush=True)
     from hvd_resilient.report.cli import main as report
 
@@ -214,4 +215,34 @@ def main(argv: list[str]) -> int:
     print(f"\nevents:      {run_dir / 'events.jsonl'}\n"
           f"checkpoints: hvd-resilient ckpt list {(run_dir / 'checkpoints').as_uri()}\n"
           f"again:       hvd-resilient report {run_dir}")
+    if agreed is False:  # said last, where it is seen
+        print(DIVERGED_BANNER.format(run=run_dir), flush=True)
+        return rc or 1
     return rc
+
+
+DIVERGED_BANNER = """
+!!! THE RANKS ENDED WITH DIFFERENT PARAMETERS !!!
+!!! a replica diverged: this is a bug of hvd_resilient; please report it with {run}/events.jsonl
+"""
+
+
+def _ranks_agree(events_path: Path) -> bool | None:
+    """Compares the final parameters every rank reported (the `done` events): True, False, or
+    None when no rank got that far."""
+    from hvd_resilient.events import read_events
+
+    done = {e["rank"]: e for e in read_events(events_path) if e["event"] == "done"}
+    if not done:
+        _say("no rank finished: nothing to compare")
+        return None
+    digests = {e.get("params_sha256") for e in done.values()}
+    parts = {k for e in done.values() for k, v in (e.get("digests") or {}).items()
+             if v != (done[min(done)].get("digests") or {}).get(k)}
+    if len(digests) == 1 and not parts:
+        _say(f"all {len(done)} ranks hold the same parameters, optimizer state and schedule "
+             f"(digest {next(iter(digests))[:12]})")
+        return True
+    _say(f"the {len(done)} ranks differ: {len(digests)} parameter digests"
+         + (f", components {', '.join(sorted(parts))}" if parts else ""))
+    return False

@@ -270,7 +270,8 @@ def test_whole_job_sigkilled_then_run_again_resumes_from_s3(backend, tmp_path, j
 @pytest.mark.timeout(300)
 def test_demo_trains_elastically_and_says_where_its_run_is(tmp_path):
     """The demo's script kills a worker at step 60; whatever else it got to before the end,
-    the fault was survived, the ranks agree and the report was printed."""
+    the fault was survived, the ranks agree (and the demo says so) and the report was
+    printed."""
     run = tmp_path / "demo"
     r = cli("demo", "--max-steps", "120", "--run-dir", str(run), timeout=280)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -278,6 +279,7 @@ def test_demo_trains_elastically_and_says_where_its_run_is(tmp_path):
     assert f"hvd-resilient report {run}" in r.stdout
     assert "worker killed; the survivors noticed" in r.stdout, r.stdout[-3000:]
     assert "goodput" in r.stdout.lower(), r.stdout[-3000:]
+    assert "ranks hold the same parameters, optimizer state and schedule" in r.stdout
     evs = events(run / "events.jsonl")
     assert [e for e in evs if e["event"] == "restore"]
     done = [e for e in evs if e["event"] == "done"]
