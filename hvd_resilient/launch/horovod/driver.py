@@ -5,11 +5,11 @@ teaching it
 - slot hosts (`slot_hosts`): the discovery output is split per slot, and address lookups and
   ssh commands get the real host back (`HVD_RESILIENT_SLOT_HOSTS=0` turns it off);
 - standby workers (`standby`; `HVD_RESILIENT_STANDBY=0` turns them off): when hosts or slots
-  are added, their workers are started at once and the running workers are told of the change
-  only once the newcomers have imported torch, torch._dynamo (which the first optimizer pulls
-  in) and Horovod. Measured (bench/recovery.py): the old world stops training for ~0.8 s at a
-  scale-up instead of ~7.5 s; on one shared 2-core machine the newcomers' imports compete
-  with the training, so the new size arrives later there than with a cold start.
+  are added, their workers are started at once, importing torch, torch._dynamo (which the first
+  optimizer pulls in) and Horovod ahead of the reset, and rank 0 is told of the change at once,
+  as plain Horovod does; the reset at the next commit then waits in Horovod's rendezvous
+  barrier (no timeout there) for the rest of the newcomers' warm-up, never in the new world's
+  Gloo connect, which aborts the old workers at the Gloo timeout (`install_standby`);
 - the discovery interval: Horovod runs the discovery script every second, and that poll is
   most of what a scale change waits for; `HVD_RESILIENT_DISCOVERY_INTERVAL=0.25` (seconds)
   polls faster, at the cost of running the script that much more often.
@@ -91,14 +91,35 @@ def _standby_table(driver: Any) -> dict[str, Any]:
 
 
 def install_standby(ready_timeout_s: float = 120.0) -> None:
+    """Newcomers started at once as standby workers; rank 0 told at once too; the new world
+    formed once they are warm.
+
+    Rank 0 is told of every discovery change as it is seen, warm-up or not: Horovod's contract
+    is that rank 0 hears of a change within one discovery interval, and a script may wait for
+    that (Horovod's own elastic test worker gives up after 3 s, "Timed out waiting for
+    notifications from driver."). Holding the notice back until the newcomers were warm (the
+    first design) kept the old world training through the warm-up, but left rank 0 blind for
+    5-20 s, and with it every script that acts on the notice.
+
+    The reset that follows (at the next commit) waits for the newcomers' warm-up, and where it
+    waits matters: inside Horovod's rendezvous barrier (the old workers' request for their new
+    rank, which the driver answers when it likes), not in the new world's Gloo connect, which
+    gives up after the Gloo timeout and aborts every old worker with it (seen here: a newcomer
+    still importing 30 s later, on 2 cores at load 8, cost the whole job). So the release of a
+    standby into the new world waits until it said it is ready (imports done), it died (its
+    slot then starts afresh), `ready_timeout_s` passed, or the job stopped; only then is the
+    new world formed, and its Gloo connect waits for warm processes only. A slot that joins at
+    a reset without having been started ahead (back from its cooldown, or replacing a standby
+    that died) is started as a standby at that moment and waited for the same way."""
     from horovod.runner import launch
     from horovod.runner.elastic.driver import ElasticDriver
 
     notify = ElasticDriver._notify_workers_host_changes
     handle_exit = ElasticDriver._handle_worker_exit
     lock = threading.Lock()  # the standby table: started, not yet released
+    wrapped = {"on": False}  # the workers run through the standby module (same Python)
 
-    def notify_when_ready(self: Any, current_hosts: Any, update_res: Any) -> None:
+    def start_standby_and_notify(self: Any, current_hosts: Any, update_res: Any) -> None:
         standby = _standby_table(self)
         if self._host_assignments and (
             current_hosts.count_available_slots() >= self._min_num_proc
@@ -108,33 +129,66 @@ def install_standby(ready_timeout_s: float = 120.0) -> None:
                       for s in slots}
             new = [s for h, slots in nxt.items() for s in slots
                    if (h, s.local_rank) not in active and _key(s) not in standby]
+            for s in new:
+                start_standby(self, s)
             if new:
-                for s in new:
-                    compat.kv_set(self, standby_mod.READY, _key(s), None)
-                    compat.kv_set(self, standby_mod.GO, _key(s), None)
-                    with lock:
-                        standby[_key(s)] = s
-                    self._start_worker_process(s)
-                threading.Thread(target=_notify_later, args=(self, new, update_res),
-                                 daemon=True, name="hvd-resilient-standby").start()
-                return
+                logger.info("hosts changed: started %d standby worker(s) (%s); telling rank 0 "
+                            "now", len(new), ", ".join(_key(s) for s in new))
+                _events().emit("standby_started", slots=[_key(s) for s in new])
         notify(self, current_hosts, update_res)
 
-    def _notify_later(self: Any, new: list[Any], update_res: Any) -> None:
-        deadline = time.monotonic() + ready_timeout_s
+    def wait_until_warm(self: Any, slots: dict[str, Any]) -> None:
+        """Runs in the reset's barrier action: the old workers wait in their rendezvous
+        request meanwhile, which has no timeout (Horovod waits there for --min-np slots too).
+        A standby that dies meanwhile is replaced by a new one, once; after that its slot is
+        no longer waited for (it starts cold, and a failure there is Horovod's to handle)."""
         standby = _standby_table(self)
-        while time.monotonic() < deadline and not self.finished():
+        deadline = time.monotonic() + ready_timeout_s
+        t0 = time.monotonic()
+        replaced: set[str] = set()
+        keys = list(slots)
+        while not self.finished():
             ready = compat.kv_get(self, standby_mod.READY)
-            with lock:  # a standby that died is not waited for: its slot starts cold instead
-                waiting = [s for s in new if _key(s) in standby and _key(s) not in ready]
+            with lock:
+                died = [k for k in keys if k not in standby and k not in replaced]
+            for k in died if wrapped["on"] else ():
+                replaced.add(k)
+                start_standby(self, slots[k])
+            with lock:
+                waiting = [k for k in keys if k in standby and k not in ready]
             if not waiting:
                 break
+            if time.monotonic() > deadline:
+                logger.warning("standby worker(s) %s not ready after %.0f s; releasing them "
+                               "anyway", ", ".join(waiting), ready_timeout_s)
+                break
             time.sleep(0.05)
-        with self._wait_hosts_cond:
-            notify(self, self._host_manager.current_hosts, update_res)
+        if keys:
+            waited = time.monotonic() - t0
+            logger.info("released %d standby worker(s) after %.2f s of warm-up wait",
+                        len(keys), waited)
+            _events().emit("standby_released", slots=keys, waited_s=round(waited, 3),
+                           replaced=sorted(replaced) or None)
+
+    def start_standby(self: Any, s: Any) -> None:
+        compat.kv_set(self, standby_mod.READY, _key(s), None)
+        compat.kv_set(self, standby_mod.GO, _key(s), None)
+        with lock:
+            _standby_table(self)[_key(s)] = s
+        self._start_worker_process(s)
 
     def start_or_release(self: Any, pending_slots: list[Any]) -> None:
         standby = _standby_table(self)
+        if wrapped["on"] and self.__dict__.get("_hvdr_formed"):
+            # A reset: a slot nobody started ahead (back from its cooldown, or a standby that
+            # died) starts as a standby now, so that its cold start is waited for here too.
+            for s in pending_slots:
+                if _key(s) not in standby:
+                    start_standby(self, s)
+        self.__dict__["_hvdr_formed"] = True
+        with lock:
+            warming = {_key(s): s for s in pending_slots if _key(s) in standby}
+        wait_until_warm(self, warming)
         for s in pending_slots:
             compat.kv_set(self, standby_mod.GO, _key(s), standby_mod.slot_env(s))
             with lock:
@@ -158,7 +212,7 @@ def install_standby(ready_timeout_s: float = 120.0) -> None:
             return
         handle_exit(self, slot, exit_code, timestamp)
 
-    compat.replace(ElasticDriver, "_notify_workers_host_changes", notify_when_ready)
+    compat.replace(ElasticDriver, "_notify_workers_host_changes", start_standby_and_notify)
     compat.replace(ElasticDriver, "_start_worker_processes", start_or_release)
     compat.replace(ElasticDriver, "_handle_worker_exit", exit_of_standby)
 
@@ -168,6 +222,7 @@ def install_standby(ready_timeout_s: float = 120.0) -> None:
         cmd = list(args.command or [])
         if cmd and standby_mod.same_python(cmd[0]):
             args.command = [cmd[0], "-m", "hvd_resilient.launch.horovod.standby", *cmd]
+            wrapped["on"] = True  # every worker speaks the standby protocol (ready, go)
         return run_elastic(args)
 
     compat.replace(launch, "_run_elastic", run_elastic_with_standby)

@@ -4,8 +4,9 @@ Horovod starts the workers of an added host (or a slot back from its cooldown) o
 running workers have stopped at a reset, so they sit idle for the newcomer's cold start (Python,
 torch, Horovod: 5-20 s). `launch.horovod.driver` starts the newcomer early through this module: it
 imports torch and Horovod, says it is ready through the driver's key-value store, and waits for
-the driver's go (given when the new world is formed); only then does the training script run, in
-this same process, with its imports already paid for. Without a Horovod driver around (no
+the driver's go (given when the new world is formed, which the driver holds back until the
+standby is ready); only then does the training script run, in this same process, with its
+imports already paid for. Without a Horovod driver around (no
 rendezvous address), or when the command is not this Python, it just runs the command.
 
     python -m hvd_resilient.launch.horovod.standby python train.py ARGS
