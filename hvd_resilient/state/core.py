@@ -18,7 +18,7 @@ import torch
 from hvd_resilient.events import EventLog
 from hvd_resilient.log import get
 from hvd_resilient.state import rng
-from hvd_resilient.state.agreement import Component, digest_tree
+from hvd_resilient.state.agreement import Agreement, Component, agree, digest_tree
 from hvd_resilient.state.optim import load_optimizer_state
 
 log = get("state")
@@ -153,6 +153,20 @@ class StateCore:
     def sharded(self) -> bool:
         return any(hasattr(t, "full_tensor") for t in _unwrapped(self.model).state_dict()
                    .values())
+
+    def _agree(self, collectives: Any) -> Agreement:
+        """The verified sync (`state.agreement`), recorded: rank 0 writes a ``sync_check``
+        event; every rank whose components needed a second send says so."""
+        found = self.last_agreement = agree(self.sync_components(), collectives)
+        if self._rank() == 0:
+            self.events.emit("sync_check", sent=found.sent, differing_ranks=found.ranks,
+                             repaired=found.repaired, seconds=found.seconds,
+                             digest_seconds=found.digest_seconds)
+        if found.repaired:
+            self.events.emit("sync_mismatch", components=found.repaired)
+            log.warning("sync: %s differed after the first send and were sent again",
+                        ", ".join(found.repaired))
+        return found
 
     def state_digests(self) -> dict[str, str]:
         """This rank's digest of each component (no collective): what the ``done`` event and

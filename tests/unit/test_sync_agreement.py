@@ -48,6 +48,15 @@ class ThreadCollectives:
             b.copy_(r)
 
 
+SEEDING = threading.Lock()  # torch's default generator is one per process, not per thread
+
+
+def seeded_linear(seed: int) -> torch.nn.Linear:
+    with SEEDING:
+        torch.manual_seed(seed)
+        return torch.nn.Linear(3, 2)
+
+
 def on_ranks(n: int, fn: Callable[[ThreadCollectives], Any]) -> list[Any]:
     shared = {"slots": [None] * n, "barrier": threading.Barrier(n)}
     out: list[Any] = [None] * n
@@ -82,8 +91,7 @@ def test_digest_sees_bytes_dtype_shape_and_structure_not_addresses():
 
 def test_only_differing_components_are_sent_and_a_newcomer_gets_rank0s_optimizer():
     def rank(coll: ThreadCollectives) -> Any:
-        torch.manual_seed(0 if coll.rank() < 2 else 7)  # rank 2 is a newcomer
-        model = torch.nn.Linear(3, 2)
+        model = seeded_linear(0 if coll.rank() < 2 else 7)  # rank 2 is a newcomer
         opt = torch.optim.AdamW(model.parameters(), weight_decay=0.1)
         if coll.rank() < 2:
             model(torch.ones(1, 3)).sum().backward()
@@ -104,8 +112,7 @@ def test_only_differing_components_are_sent_and_a_newcomer_gets_rank0s_optimizer
 
 def test_survivors_that_already_agree_send_nothing():
     def rank(coll: ThreadCollectives) -> Any:
-        torch.manual_seed(0)
-        model = torch.nn.Linear(3, 2)
+        model = seeded_linear(0)
         return agree([Component("model", model.state_dict, model.load_state_dict)], coll)
 
     assert all(r.sent == [] for r in on_ranks(2, rank))

@@ -35,7 +35,6 @@ from hvd_resilient.checkpoint.serialize import map_leaves
 from hvd_resilient.events import EventLog
 from hvd_resilient.log import get
 from hvd_resilient.state import rng
-from hvd_resilient.state.agreement import agree
 from hvd_resilient.state.core import StateCore, is_stateful
 from hvd_resilient.state.optim import load_optimizer_state
 
@@ -207,15 +206,7 @@ class ElasticState(StateCore, TorchState):
         """Rank 0's committed plain attributes (Horovod's semantics), then every component
         agreed and proven equal (`state.agreement`); an event says what was sent."""
         ObjectState.sync(self)
-        found = self.last_agreement = agree(self.sync_components(), self._collectives)
-        if hvd.rank() == 0:
-            self.events.emit("sync_check", sent=found.sent, differing_ranks=found.ranks,
-                             repaired=found.repaired, seconds=found.seconds,
-                             digest_seconds=found.digest_seconds)
-        if found.repaired:
-            self.events.emit("sync_mismatch", components=found.repaired)
-            log.warning("sync: %s differed after the first send and were sent again",
-                        ", ".join(found.repaired))
+        self._agree(self._collectives)
         if not self._synced_once:
             self._apply_start_rng()
             self._synced_once = True

@@ -11,7 +11,7 @@ import torch
 
 from hvd_resilient.events import EventLog
 from hvd_resilient.log import get
-from hvd_resilient.state.agreement import Collectives, agree
+from hvd_resilient.state.agreement import Collectives
 from hvd_resilient.state.core import StateCore
 
 log = get("state")
@@ -57,11 +57,7 @@ class TorchrunState(StateCore):
         rank loaded the same checkpoint; the agreement proves it (and repairs what differs:
         the optimizer, the scaler, the EMA, which DDP never sends). Then the per-rank parts."""
         if self._collectives is not None and self._size() > 1:
-            found = self.last_agreement = agree(self.sync_components(), self._collectives)
-            if self._rank() == 0:
-                self.events.emit("sync_check", sent=found.sent, differing_ranks=found.ranks,
-                                 repaired=found.repaired, seconds=found.seconds,
-                                 digest_seconds=found.digest_seconds)
+            found = self._agree(self._collectives)
             if found.sent:
                 log.warning("sync: %s differed from rank 0's at start and were sent from it",
                             ", ".join(found.sent))
