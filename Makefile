@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast lint demo bench chaos image clean docker-test
+.PHONY: install test test-fast lint demo bench chaos image clean docker-test scenarios scenarios-all
 
 $(STAMP): pyproject.toml scripts/install.sh
 	bash scripts/install.sh
@@ -15,7 +15,16 @@ install: $(STAMP)
 # The one test command (README and .ci/run call exactly this).
 test: $(STAMP)
 	$(PY) -m ruff check hvd_resilient discovery tests examples bench
-	$(PY) -m pytest -q -m "(not chaos or ci_chaos) and not docker" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "(not chaos or ci_chaos) and not docker and not horovod_scenarios" $(PYTEST_ARGS)
+
+# Horovod's own elastic scenarios (test/integration/elastic_common.py) under hvd-resilient run:
+# the --no-slot-hosts tier, where Horovod's expected sizes apply unchanged (CI runs it; about
+# 5-9 minutes); `make scenarios-all` adds the slot-host tier (about 18 minutes in all).
+scenarios: $(STAMP)
+	$(PY) -m pytest -q -m horovod_scenarios -k no-slot-hosts tests/integration/test_horovod_scenarios.py $(PYTEST_ARGS)
+
+scenarios-all: $(STAMP)
+	$(PY) -m pytest -q -m horovod_scenarios tests/integration/test_horovod_scenarios.py $(PYTEST_ARGS)
 
 # Every multi-host scenario (root, network namespaces, sshd; about 6 minutes).
 chaos: $(STAMP)

@@ -119,9 +119,10 @@ def grow_2_to_4_with_standby(tmp_path: Path, jobs, name: str):
     return run, job
 
 
-def test_added_host_workers_start_before_the_running_ones_are_told(tmp_path, jobs):
+def test_added_host_workers_start_early_and_are_the_ones_that_join(tmp_path, jobs):
     """Standby: the newcomers import while the old world trains; the process that joins is the
-    one started early (same pid), and the old workers heard of the change only after it began."""
+    one started early (same pid). Rank 0 is told at once (test_standby_notice.py); the reset
+    waits for the warm newcomers in Horovod's rendezvous barrier, not in a Gloo connect."""
     run, job = grow_2_to_4_with_standby(tmp_path, jobs, "standby")
 
     def newcomers() -> dict[int, float]:
@@ -140,7 +141,6 @@ def test_added_host_workers_start_before_the_running_ones_are_told(tmp_path, job
     assert job.wait(240) == 0, job.output()[-3000:]
     evs = events(run / "events.jsonl")
     told = min(e["ts"] for e in evs if e["event"] == "hosts_changed")
-    assert max(early.values()) < told, "the running workers were told before the newcomers ran"
     joined = {e["pid"] for e in evs if e["event"] == "start" and e["ts"] > told}
     assert joined == set(early), f"joined {joined}, standby {set(early)}: not the same processes"
     assert sizes_seen(run) == [2, 4]
