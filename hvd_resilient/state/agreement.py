@@ -163,14 +163,14 @@ def broadcast_tree(tree: Any, coll: Collectives, tag: str) -> Any:
             return mine
 
         out = map_leaves(skeleton, receive)
-    views, back = [], []
+    views = []
     for t in tensors:
         data = t.detach()
         if not data.is_contiguous():  # only on rank 0: send a contiguous copy
             data = data.contiguous()
-        views.append(data.reshape(-1).view(torch.uint8) if data.numel() else None)
-        back.append(data)
-    coll.broadcast_bytes_([v for v in views if v is not None], tag)
+        if data.numel():
+            views.append(data.reshape(-1).view(torch.uint8))
+    coll.broadcast_bytes_(views, tag)
     return out
 
 
