@@ -21,10 +21,10 @@ from torch import nn
 import hvd_resilient
 from hvd_resilient import log, watchdog
 from hvd_resilient.backends.horovod.state import ElasticState
+from hvd_resilient.detect.progress import ProgressWatchdog
 from hvd_resilient.events import EventLog
 from hvd_resilient.state.sampler import ElasticDataSampler
 from hvd_resilient.training.faults import ENV, FaultPlan
-from hvd_resilient.watchdog import ProgressWatchdog
 
 
 def main() -> int:

@@ -120,7 +120,7 @@ def kill_stopped_workers_first() -> None:
 
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-    from hvd_resilient.backends.heartbeat import STOPPED, process_state
+    from hvd_resilient.detect.heartbeat import STOPPED, process_state
 
     shutdown = LocalElasticAgent._shutdown
 

@@ -272,8 +272,8 @@ class MemoryCommits:
 
     # -- lifetime ------------------------------------------------------------------------------
     def _serve(self) -> None:
-        from hvd_resilient.backends.silent_peers import outward_ip
         from hvd_resilient.checkpoint.memory.peers import SegmentServer
+        from hvd_resilient.detect.silent_peers import outward_ip
 
         env = os.environ
         target = (env["MASTER_ADDR"], int(env["MASTER_PORT"])) if "MASTER_ADDR" in env else None

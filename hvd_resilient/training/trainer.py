@@ -20,12 +20,14 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
-from hvd_resilient import backends, log, watchdog
+from hvd_resilient import backends, log
 from hvd_resilient.backends import determinism
 from hvd_resilient.backends.threads import share_cores
 from hvd_resilient.checkpoint.host_buffers import pool as snapshot_pool
 from hvd_resilient.config import TrainConfig
 from hvd_resilient.data.loader import ElasticLoader, LoadedBatch
+from hvd_resilient.detect import progress
+from hvd_resilient.detect.progress import ProgressWatchdog
 from hvd_resilient.errors import PREEMPTED_EXIT_CODE
 from hvd_resilient.events import EventLog
 from hvd_resilient.observability import Observer
@@ -36,7 +38,6 @@ from hvd_resilient.training.faults import ENV as FAULT_ENV
 from hvd_resilient.training.faults import FaultPlan
 from hvd_resilient.training.memory_commits import MemoryCommits
 from hvd_resilient.training.recipe import Recipe
-from hvd_resilient.watchdog import ProgressWatchdog
 
 logger = log.get("trainer")
 
@@ -149,7 +150,7 @@ class Trainer:
             timeout_s=cfg.recovery.progress_timeout_seconds,
             floor_s=cfg.recovery.progress_floor_seconds, factor=cfg.recovery.progress_factor,
             first_step_s=cfg.recovery.first_step_seconds)
-        watchdog.install(dog.start())
+        progress.install(dog.start())
         # Batches are loaded ahead of the step, in the sampler's order (hvd_resilient.data).
         self._loader = ElasticLoader(self.data, sampler, batch_size=cfg.batch_size,
                                      options=cfg.data, collate_fn=self.collate_fn,
@@ -172,7 +173,7 @@ class Trainer:
             raise
         finally:
             dog.stop()
-            watchdog.install(None)
+            progress.install(None)
             obs.close()
             self._loader.close()
             durable.close(timeout=cfg.grace_seconds)

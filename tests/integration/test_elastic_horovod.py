@@ -33,7 +33,7 @@ DIGITS = str(ROOT / "examples" / "digits.py")
 # long one costs the tests nothing.
 GLOO_TIMEOUT = "45"
 # With this Gloo timeout, a survivor that learned of a failure well before it learned by the
-# hang-up watch (peer_watch), not by the timeout.
+# hang-up watch (detect/gloo_watch.py), not by the timeout.
 LONG_GLOO_TIMEOUT = 60
 DETECTED_BY_HANGUP_S = 20
 
@@ -104,14 +104,15 @@ def test_host_changes_act_at_the_next_step_not_the_next_commit(tmp_path, jobs):
 
 def grow_2_to_4_with_standby(tmp_path: Path, jobs, name: str):
     """A job through our driver (standby on) on `localhost:2`, 10 steps in, then told by
-    discovery that `127.0.0.1:2` joined; it stops 20 steps after reaching size 4: (run, job)."""
+    discovery that `127.0.0.1:2` joined; it stops 40 steps after reaching size 4, so an epoch
+    completes however late the growth comes (2560 samples at size 4 alone): (run, job)."""
     run = tmp_path / "run"
     run.mkdir()
     hosts, discover = write_discovery(tmp_path, "localhost:2")
     cmd = horovodrun_elastic(discover, 2, 2, 4)
     cmd[:1] = [PYTHON, "-m", "hvd_resilient.launch.horovod.driver"]
     job = jobs.start(cmd + [PYTHON, JOB, "--run-dir", str(run), "--expect-sizes", "2,4",
-                            "--steps-at-each", "20", "--commit-every", "5"],
+                            "--steps-at-each", "40", "--commit-every", "5"],
                      env=jobs.env(HVD_RESILIENT_STANDBY="1"), name=name)
     wait_for(lambda: any(c["size"] == 2 and c["step"] >= 10 for c in commits(run)), 120,
              "10 steps at size 2", job)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from hvd_resilient.backends import hangup
+from hvd_resilient.detect import hangup
 from tests.support.jobs import PYTHON, events, wait_for, write_discovery
 from tests.support.paths import SCRIPTS
 from tests.support.runs import assert_faults_fired, final_digests, sizes_seen
@@ -66,14 +66,14 @@ def test_hang_up_wakes_a_blocked_receive_here_and_ends_the_stream_there():
 def test_a_watch_that_stood_down_names_its_connections_and_reports_no_hang_up():
     """The failure path's order: the watch stands down (the hang-ups that follow are this
     rank's own), then this rank hangs up on what it watched."""
-    from hvd_resilient.backends.horovod.detect.peer_watch import PeerWatch
+    from hvd_resilient.detect.gloo_watch import GlooWatch
 
     mine, theirs = _pair()
-    watch = PeerWatch()
+    watch = GlooWatch()
     try:
         here = (mine.getsockname(), mine.getpeername())
         there = (theirs.getsockname(), theirs.getpeername())
-        assert watch.arm([[here], [there]], 0) == 1
+        assert watch.arm(0, [[here], [there]]) == 1
         conns = watch.stand_down()
         assert conns == [here]
         assert hangup.hang_up(conns) == 1

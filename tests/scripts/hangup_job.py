@@ -28,8 +28,8 @@ from torch import nn
 
 import hvd_resilient
 from hvd_resilient import log
-from hvd_resilient.backends.horovod.detect import peer_watch
 from hvd_resilient.backends.horovod.state import ElasticState
+from hvd_resilient.detect import gloo_watch
 from hvd_resilient.events import EventLog
 from hvd_resilient.state.sampler import ElasticDataSampler
 
@@ -37,7 +37,7 @@ HELD: list[int] = []
 """Duplicates of the abandoned sockets: open until this process exits."""
 
 
-def abandon(conns: list[peer_watch.tcp_sockets.TcpSocket], marker: Path) -> bool:
+def abandon(conns: list[gloo_watch.tcp_sockets.TcpSocket], marker: Path) -> bool:
     try:
         fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
@@ -80,11 +80,11 @@ def main() -> int:
     @hvd_resilient.run(heartbeat_timeout_s=a.heartbeat_timeout)
     def train(state: ElasticState) -> None:
         events.emit("enter", at_step=state.step)
-        conns: list[peer_watch.tcp_sockets.TcpSocket] = []
+        conns: list[gloo_watch.tcp_sockets.TcpSocket] = []
         while state.step < a.steps:
             if state.step == a.abandon_step - 1:  # every rank: which connections are Gloo's
-                everyone = hvd.allgather_object(peer_watch.local_connections())
-                conns = peer_watch.peer_connections(everyone, hvd.rank())
+                everyone = hvd.allgather_object(gloo_watch.local_connections())
+                conns = gloo_watch.peer_connections(everyone, hvd.rank())
             if state.step == a.abandon_step and hvd.rank() == a.abandon_rank and conns:
                 if abandon(conns, marker):
                     log.get("hangup_job").warning("abandoned %d Gloo connections", len(conns))

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hvd_resilient import watchdog
 from hvd_resilient.config import TrainConfig
+from hvd_resilient.detect import progress
 from hvd_resilient.errors import exit_on_error
 from hvd_resilient.training.trainer import Trainer
 
@@ -45,7 +45,7 @@ def main() -> int:
         if state.step != args.eval_at:
             return
         # every rank evaluates (no collective inside), busy in Python as a real eval loop is
-        with watchdog.section("evaluation", args.eval_seconds + 15):
+        with progress.section("evaluation", args.eval_seconds + 15):
             end = time.monotonic() + args.eval_seconds
             while time.monotonic() < end:
                 model(torch.randn(64, 16)).sum().item()

@@ -12,9 +12,8 @@ from types import SimpleNamespace
 import pytest
 from horovod.runner.http.http_server import KVStoreServer, RendezvousServer
 
-from hvd_resilient.backends import heartbeat
-from hvd_resilient.backends.horovod import compat
-from hvd_resilient.backends.horovod.detect import silent_peers
+from hvd_resilient.backends.horovod import compat, lost_slots
+from hvd_resilient.detect import heartbeat
 from hvd_resilient.launch.horovod import evict
 
 
@@ -32,12 +31,12 @@ def _peer(slot: str, pid: int) -> heartbeat.Peer:
 
 def test_a_worker_learns_that_it_was_evicted_and_a_refill_of_its_slot_does_not(store):
     _, address = store
-    assert silent_peers.evicted(address, "h+1:0", os.getpid()) is False
-    silent_peers.report([_peer("h+1:0", os.getpid())], address, "h+0:0")
-    assert silent_peers.evicted(address, "h+1:0", os.getpid()) is True
-    assert silent_peers.evicted(address, "h+1:0", os.getpid() + 1) is False, "another process"
-    assert silent_peers.evicted(address, "h+2:0", os.getpid()) is False
-    assert silent_peers.evicted(None, "h+1:0", os.getpid()) is None
+    assert lost_slots.evicted(address, "h+1:0", os.getpid()) is False
+    lost_slots.report([_peer("h+1:0", os.getpid())], address, "h+0:0")
+    assert lost_slots.evicted(address, "h+1:0", os.getpid()) is True
+    assert lost_slots.evicted(address, "h+1:0", os.getpid() + 1) is False, "another process"
+    assert lost_slots.evicted(address, "h+2:0", os.getpid()) is False
+    assert lost_slots.evicted(None, "h+1:0", os.getpid()) is None
 
 
 def test_a_driver_that_cannot_be_reached_is_asked_again_not_taken_for_a_no():
@@ -46,11 +45,11 @@ def test_a_driver_that_cannot_be_reached_is_asked_again_not_taken_for_a_no():
     server = KVStoreServer(verbose=0)
     port = server.start_server()
     address = ("127.0.0.1", port)
-    silent_peers.report([_peer("h+1:0", os.getpid())], address, "h+0:0")
+    lost_slots.report([_peer("h+1:0", os.getpid())], address, "h+0:0")
     server.shutdown_server()  # the port refuses now: "cannot be asked"
-    assert silent_peers.evicted(address, "h+1:0", os.getpid()) is None
+    assert lost_slots.evicted(address, "h+1:0", os.getpid()) is None
     t0 = time.monotonic()
-    assert not silent_peers.evicted_within(address, "h+1:0", os.getpid(), 0.3,
+    assert not lost_slots.evicted_within(address, "h+1:0", os.getpid(), 0.3,
                                            until_answer=True)
     assert time.monotonic() - t0 >= 0.3, "gave up before its time"
 
@@ -60,9 +59,9 @@ def test_a_worker_that_hears_no_peer_waits_for_their_verdict_before_naming_them(
     it waits for theirs and, named, reports nobody."""
     _, address = store
     tripped: list[str] = []
-    me = silent_peers.DriverEvict(address, "h+2:0", tripped.append)
+    me = lost_slots.DriverEvict(address, "h+2:0", tripped.append)
     peers = [_peer("h+0:0", 11), _peer("h+1:0", 12)]
-    late = threading.Timer(0.3, silent_peers.report, ([_peer("h+2:0", os.getpid())], address,
+    late = threading.Timer(0.3, lost_slots.report, ([_peer("h+2:0", os.getpid())], address,
                                                       "h+0:0"))
     late.start()
     try:
@@ -71,10 +70,10 @@ def test_a_worker_that_hears_no_peer_waits_for_their_verdict_before_naming_them(
         late.join()
     assert not tripped
     # One silent neighbour among several heard: no wait, and it is named at once.
-    other = silent_peers.DriverEvict(address, "h+0:0", tripped.append)
+    other = lost_slots.DriverEvict(address, "h+0:0", tripped.append)
     t0 = time.monotonic()
     assert not other.evicted_first([_peer("h+2:0", 13)], alone=False)
-    assert time.monotonic() - t0 < silent_peers.ARBITRATION_S / 2
+    assert time.monotonic() - t0 < lost_slots.ARBITRATION_S / 2
     other([_peer("h+2:0", 13)], "rank 2 silent")
     assert tripped == ["rank 2 silent"]
 
@@ -89,8 +88,8 @@ def test_the_driver_ignores_a_report_from_a_worker_it_already_ended():
     driver = SimpleNamespace(_rendezvous=SimpleNamespace(_httpd=httpd),
                              finished=lambda: polls.append(1) or len(polls) > 3)
     a, c = procs["a+0"].pid, procs["c+0"].pid
-    compat.kv_set(driver, silent_peers.LOST_SCOPE, "c+0:0", f"{c} c a+0:0 {a}".encode())
-    compat.kv_set(driver, silent_peers.LOST_SCOPE, "a+0:0", f"{a} a c+0:0 {c}".encode())
+    compat.kv_set(driver, lost_slots.LOST_SCOPE, "c+0:0", f"{c} c a+0:0 {a}".encode())
+    compat.kv_set(driver, lost_slots.LOST_SCOPE, "a+0:0", f"{a} a c+0:0 {c}".encode())
     emitted: list[dict] = []
     try:
         evict.watch(driver, lambda host, pid: None,
@@ -113,10 +112,10 @@ def test_a_verdict_outlives_the_survivors_new_rendezvous():
         address = ("127.0.0.1", port)
         driver = SimpleNamespace(_rendezvous=server)
         evict.keep_verdicts(driver)
-        silent_peers.report([_peer("h+1:0", os.getpid())], address, "h+0:0")
+        lost_slots.report([_peer("h+1:0", os.getpid())], address, "h+0:0")
         compat.kv_set(driver, "other", "k", b"v")
         server.init([])  # the reset's new rendezvous
         assert compat.kv_get(driver, "other") == {}
-        assert silent_peers.evicted(address, "h+1:0", os.getpid()) is True
+        assert lost_slots.evicted(address, "h+1:0", os.getpid()) is True
     finally:
         server.stop()

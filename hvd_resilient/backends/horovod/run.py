@@ -20,14 +20,12 @@ import torch
 from horovod.common.elastic import notification_manager
 from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 
-from hvd_resilient import watchdog
-from hvd_resilient.backends import hangup
-from hvd_resilient.backends.horovod import slots
-from hvd_resilient.backends.horovod.detect import driver_watch, peer_watch
-from hvd_resilient.backends.horovod.detect import silent_peers as horovod_silent
+from hvd_resilient.backends.horovod import driver_watch, lost_slots, slots
 from hvd_resilient.backends.horovod.state import ElasticState, is_elastic
-from hvd_resilient.backends.silent_peers import SilentPeers
 from hvd_resilient.backends.threads import share_cores
+from hvd_resilient.detect import Detectors, hangup, progress
+from hvd_resilient.detect.gloo_watch import GlooWatch
+from hvd_resilient.detect.silent_peers import SilentPeers
 from hvd_resilient.errors import HUNG_EXIT_CODE, exit_now
 from hvd_resilient.log import get
 
@@ -54,29 +52,31 @@ def run(func: Callable[..., T] | None = None, *,
     @functools.wraps(func)
     def wrapper(state: ElasticState, *args: Any, **kwargs: Any) -> T:
         if not is_elastic():  # mpirun, srun: a silent peer ends this worker, and so the job
-            silent = SilentPeers(heartbeat_timeout_s, state.events, machine=slots.machine(),
-                                 slot="", coordinator=None)
-            silent.arm(hvd.rank(), hvd.allgather_object(silent.peer(hvd.rank())))
+            detectors = Detectors(SilentPeers(heartbeat_timeout_s, state.events,
+                                              machine=slots.machine(), slot="",
+                                              coordinator=None))
+            detectors.arm_with(hvd.rank(), hvd.allgather_object)
             state.sync()
             result = func(state, *args, **kwargs)
-            silent.disarm()  # still sending: nobody leaves while a peer still judges
+            detectors.disarm()  # still sending: nobody leaves while a peer still judges
             hvd.allreduce(torch.zeros(1), name="hvd_resilient.done")
             return result
         notification_manager.init()
         notification_manager.register_listener(state)
         driver_watch.start(state.events)
-        watch = peer_watch.PeerWatch()
+        watch = GlooWatch()
         driver = driver_watch.driver_address()
-        slot = horovod_silent.slot_key()
+        slot = lost_slots.slot_key()
         silent = SilentPeers(heartbeat_timeout_s, state.events, machine=slots.machine(),
                              slot=slot, coordinator=driver,
-                             evict=horovod_silent.DriverEvict(driver, slot, watch.trip))
+                             evict=lost_slots.DriverEvict(driver, slot, watch.trip))
+        detectors = Detectors(watch, silent)
         skip_sync = False
         try:
             while True:
                 try:
-                    with watchdog.section("sync", None):  # waits for joiners, as long as it takes
-                        _arm(watch, silent, state)
+                    with progress.section("sync", None):  # waits for joiners, as long as it takes
+                        _arm(detectors, state)
                         if not skip_sync:
                             t0 = time.time()
                             state.sync()
@@ -84,22 +84,20 @@ def run(func: Callable[..., T] | None = None, *,
                     result = func(state, *args, **kwargs)
                     # Nobody may leave (and hang up on a still-watching peer) before everyone
                     # stopped watching: disarm, then meet once more.
-                    watch.disarm()
-                    silent.disarm()
+                    detectors.disarm()
                     hvd.allreduce(torch.zeros(1), name="hvd_resilient.done")
                     return result
                 except HorovodInternalError as e:
                     detected = time.time()
                     hangup.hang_up(watch.stand_down())  # peers blocked on us fail now
-                    if horovod_silent.evicted_within(driver, slot, os.getpid(),
-                                                     horovod_silent.ASK_S, until_answer=True):
+                    if lost_slots.evicted_within(driver, slot, os.getpid(), lost_slots.ASK_S,
+                                                 until_answer=True):
                         log.error("the other workers evicted this one as silent (frozen or cut "
                                   "off) and went on without it; exiting (code %d) without "
                                   "writing", HUNG_EXIT_CODE)
                         exit_now(HUNG_EXIT_CODE)
-                    with watchdog.section("recovery", None):  # until the next sync, unbounded
-                        watch.disarm()
-                        silent.disarm()
+                    with progress.section("recovery", None):  # until the next sync, unbounded
+                        detectors.disarm()
                         hung_up = watch.detected_at
                         state.events.emit(
                             "failure_detected", error=_one_line(e),
@@ -114,13 +112,12 @@ def run(func: Callable[..., T] | None = None, *,
                     skip_sync = False
                 except HostsUpdatedInterrupt as e:
                     detected = time.time()
-                    with watchdog.section("recovery", None):
-                        watch.disarm()
-                        silent.disarm()
+                    with progress.section("recovery", None):
+                        detectors.disarm()
                         state.events.emit("hosts_changed", removed_only=bool(e.skip_sync))
                     skip_sync = e.skip_sync
                 old_size = hvd.size()
-                with watchdog.section("reset", None):  # the driver may wait minutes for hosts
+                with progress.section("reset", None):  # the driver may wait minutes for hosts
                     hvd.shutdown()
                     hvd.init()
                     state.on_reset()
@@ -131,26 +128,23 @@ def run(func: Callable[..., T] | None = None, *,
                 if hvd.rank() == 0:
                     log.info("reset: world size %d -> %d", old_size, hvd.size())
         finally:
-            watch.disarm()
-            silent.disarm()
+            detectors.disarm()
             notification_manager.remove_listener(state)
 
     return wrapper
 
 
-def _arm(watch: peer_watch.PeerWatch, silent: SilentPeers,
-         state: ElasticState) -> None:
-    """Every rank publishes its connections and its heartbeat address; a collective, so a
-    failure here is caught like any other."""
+def _arm(detectors: Detectors, state: ElasticState) -> None:
+    """Every rank publishes its detectors' offers (its connections, its heartbeat address) and
+    its machine; a collective, so a failure here is caught like any other."""
     machine = slots.machine()
-    everyone = hvd.allgather_object(
-        (peer_watch.local_connections(), machine, silent.peer(hvd.rank())))
-    watched = watch.arm([conns for conns, _, _ in everyone], hvd.rank())
-    beats = silent.arm(hvd.rank(), [p for _, _, p in everyone])
+    everyone = hvd.allgather_object((detectors.offers(hvd.rank()), machine))
+    counts = detectors.arm(hvd.rank(), [offers for offers, _ in everyone])
+    watched, beats = counts[GlooWatch.name], counts[SilentPeers.name]
     if watched == 0 and hvd.size() > 1:
         log.warning("no Gloo connections found to watch; failures are detected at the Gloo "
                     "timeout only")
     # With slot hosts every worker is alone on its "host" (hvd.local_size() == 1): count the
     # workers on this machine from what every rank just said, at every (re)start.
-    threads = share_cores(sum(m == machine for _, m, _ in everyone))
+    threads = share_cores(sum(m == machine for _, m in everyone))
     state.events.emit("watch", connections=watched, heartbeats=beats, threads=threads)

@@ -14,7 +14,6 @@ in Horovod's documentation, the sampler (ours, or Horovod's `ElasticSampler`) is
 
 from __future__ import annotations
 
-import copy
 import os
 import time
 from collections.abc import Callable
@@ -23,88 +22,38 @@ from typing import Any
 import horovod.torch as hvd
 import torch
 from horovod.common.elastic import ObjectState
-from horovod.torch.elastic.state import (
-    ModelStateHandler,
-    OptimizerStateHandler,
-    StateHandler,
-    TorchState,
-)
+from horovod.torch.elastic.state import StateHandler, TorchState
 
 from hvd_resilient.backends.horovod.collectives import HorovodCollectives
-from hvd_resilient.checkpoint.serialize import map_leaves
 from hvd_resilient.events import EventLog
 from hvd_resilient.log import get
-from hvd_resilient.state import rng
+from hvd_resilient.state.commits import Commit, RngCommit, commit_for
 from hvd_resilient.state.core import StateCore, is_stateful
-from hvd_resilient.state.optim import load_optimizer_state
 
 log = get("state")
 
 
+class _Slot(StateHandler):
+    """One of TorchState's handler slots, holding a backend-neutral commit (state/commits.py:
+    GIL-free copies, restores from a copy); the sync is the state's (`agree`), never the
+    handler's."""
 
-def _copy(sd: Any) -> Any:
-    """A state dict's copy on the same device whose tensors are copied by ATen, which lets go
-    of the GIL: `copy.deepcopy` holds it for the whole copy (measured: 1.45 s for 1 GB, no
-    other thread running), and a heartbeat thread silent that long gets its rank evicted as
-    frozen by its peers (the false alarm tests/integration/test_silent_failures.py's 1 GB
-    test found in every commit of Horovod's own handlers)."""
-    return map_leaves(sd, lambda v, _: v.detach().clone() if isinstance(v, torch.Tensor)
-                      else copy.deepcopy(v))
-
-
-class _StateDictHandler(StateHandler):
-    """Commit/restore any object with state_dict() (GIL-free copies); the sync is the state's
-    (`agree`), never the handler's."""
-
-    def __init__(self, value: Any) -> None:
-        super().__init__(value)
-        self._saved = _copy(value.state_dict())
+    def __init__(self, commit: Commit) -> None:
+        super().__init__(commit.value)
+        self.commit = commit
 
     def save(self) -> None:
-        self._saved = _copy(self.value.state_dict())
+        self.commit.save()
 
     def restore(self) -> None:
-        self.value.load_state_dict(_copy(self._saved))
+        self.commit.restore()
+
+    def set_value(self, value: Any) -> None:  # `state.model = other` (TorchState.__setattr__)
+        self.value = self.commit.value = value
+        self.save()
 
     def sync(self) -> None:
         raise AssertionError("ElasticState.sync sends every component itself")
-
-
-class _ModelHandler(ModelStateHandler):
-    def save(self) -> None:
-        self._saved_model_state = _copy(self.value.state_dict())
-
-
-class _OptimizerHandler(OptimizerStateHandler):
-    def save(self) -> None:
-        self._saved_optimizer_state = _copy(self.value.state_dict())
-
-    def restore(self) -> None:
-        # From a copy: load_state_dict keeps the given tensors as the live state, so restoring
-        # the commit itself (Horovod's handler) let the next steps mutate it, and a second
-        # failure before the next commit restored that mutated state. Into the live group
-        # dicts, which a scheduler may hold (state/optim.py).
-        load_optimizer_state(self.value, _copy(self._saved_optimizer_state))
-
-
-_GIL_FREE = {ModelStateHandler: _ModelHandler, OptimizerStateHandler: _OptimizerHandler}
-
-
-class _RngHandler(StateHandler):
-    """Each rank keeps its own streams: committed and restored locally, never broadcast."""
-
-    def __init__(self) -> None:
-        super().__init__(None)
-        self._saved = rng.capture()
-
-    def save(self) -> None:
-        self._saved = rng.capture()
-
-    def restore(self) -> None:
-        rng.restore(self._saved)
-
-    def sync(self) -> None:
-        pass
 
 
 class ElasticState(StateCore, TorchState):
@@ -143,18 +92,17 @@ class ElasticState(StateCore, TorchState):
             model=model, optimizer=optimizer, step=0, samples=0, lr_scale=1.0,
             resume_rng=None, ckpt_requested=-1, ckpt_published=-1, fatal="", **plain,
         )
-        for handler in self._handlers.values():  # same objects, GIL-free commits (_copy)
-            if type(handler) in _GIL_FREE:
-                handler.__class__ = _GIL_FREE[type(handler)]
+        for name in ("model", "optimizer"):  # Horovod's handlers deep-copy under the GIL
+            self._handlers[name] = _Slot(commit_for(name, self._handlers[name].value))
         stateful = {"sampler": sampler, "scheduler": scheduler, **self._stateful}
         for name, obj in stateful.items():
             if obj is not None and not is_stateful(obj):
                 raise TypeError(f"ElasticState: {name} must have state_dict() and "
                                 f"load_state_dict(), got {type(obj).__name__}")
             if obj is not None:
-                self._handlers[name] = _StateDictHandler(obj)
+                self._handlers[name] = _Slot(commit_for(name, obj))
             object.__setattr__(self, name, obj)
-        self._handlers["rng"] = _RngHandler()
+        self._handlers["rng"] = _Slot(RngCommit())
         self._collectives = HorovodCollectives()
 
     def _rank(self) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import os
 import socket
 from collections.abc import Callable
@@ -27,9 +28,10 @@ import torch.distributed as dist
 
 from hvd_resilient.backends import determinism
 from hvd_resilient.backends.base import Backend
-from hvd_resilient.backends.silent_peers import SilentPeers
 from hvd_resilient.backends.torchrun.collectives import TorchDistCollectives
 from hvd_resilient.backends.torchrun.state import TorchrunState
+from hvd_resilient.detect import Detectors
+from hvd_resilient.detect.silent_peers import SilentPeers
 
 
 class TorchDistBackend(Backend):
@@ -105,11 +107,12 @@ class TorchDistBackend(Backend):
         silent = SilentPeers(self.heartbeat_timeout_s, state.events, machine=socket.gethostname(),
                              slot=f"local rank {env.get('LOCAL_RANK', '?')}",
                              coordinator=(env["MASTER_ADDR"], int(env["MASTER_PORT"])))
-        beats = silent.arm(self.rank(), self.allgather_object(silent.peer(self.rank())))
-        state.events.emit("watch", heartbeats=beats)
+        # No Gloo hang-up watch: torchrun's agent sees a dead worker and restarts every one.
+        detectors = Detectors(silent)
+        state.events.emit("watch", **detectors.arm_with(self.rank(), self.allgather_object))
         state.sync()
         fn(state)
-        silent.disarm()  # still sending: nobody leaves while a peer still judges
+        detectors.disarm()  # still sending: nobody leaves while a peer still judges
         dist.barrier()
         # Past this barrier no collective of ours is in flight, so releasing the groups cannot
         # wait on a peer. Left to interpreter teardown, Gloo's worker threads still hold
@@ -137,3 +140,6 @@ def _release_groups() -> None:
     a no-op when the caller already destroyed them."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    # A group, or a Work holding tensors, that a reference cycle keeps (the state's hooks and
+    # the tiers refer to each other) is freed by the collector, at teardown if not now.
+    gc.collect()

@@ -241,9 +241,18 @@ class ShardedCheckpointer:
                 logger.warning("pruning %s failed: %s", self.manager.url, one_line(e))
 
     def close(self, timeout: float | None = None) -> None:
+        """Waits for the upload in flight, then releases the checkpoints' process group (its
+        creator's to release: left to interpreter teardown, a Gloo group's threads can abort
+        a finished worker with "terminate called without an active exception")."""
         if not self.wait(timeout):
             logger.warning("a sharded checkpoint upload was still running at exit; it stays "
                            "invisible (no manifest)")
+        elif self.group is not None:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group(self.group)
+            self.group = None
         with contextlib.suppress(OSError):  # empty once nothing is in flight
             os.rmdir(self.staging_dir)
 

@@ -24,7 +24,7 @@ import psutil
 
 from hvd_resilient.backends.horovod import compat
 from hvd_resilient.backends.horovod import slots as slot_hosts
-from hvd_resilient.backends.horovod.detect.silent_peers import LOST_SCOPE
+from hvd_resilient.backends.horovod.lost_slots import LOST_SCOPE
 
 logger = logging.getLogger("hvd_resilient.launch")
 

@@ -5,7 +5,7 @@ frozen worker does neither. So the detecting rank PUTs the silent slot into the 
 rendezvous key-value store (scope `LOST_SCOPE`), where the project's driver
 (`launch/horovod/evict.py`) ends that slot's worker at once, and trips the hang-up watch so
 that its own blocked collective fails and its peers see hang-ups. The rest (the event, killing
-a silent peer on this machine) is `backends/silent_peers.py`.
+a silent peer on this machine) is `detect/silent_peers.py`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 
-from hvd_resilient.backends import heartbeat
+from hvd_resilient.detect import heartbeat
 from hvd_resilient.log import get
 
 log = get("silent_peers")

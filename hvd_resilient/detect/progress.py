@@ -36,7 +36,7 @@ from typing import Any
 
 from hvd_resilient.errors import HUNG_EXIT_CODE, exit_now
 
-log = logging.getLogger("hvd_resilient.watchdog")
+log = logging.getLogger("hvd_resilient.detect.progress")
 
 FIRST_STEP_S = 600.0
 """Default budget of the first step: it compiles, warms the loader, faults in the optimizer."""

@@ -10,8 +10,8 @@ import types
 
 import pytest
 
-from hvd_resilient.backends import heartbeat
-from hvd_resilient.watchdog import VICTIM_FACTOR, ProgressWatchdog
+from hvd_resilient.detect import heartbeat
+from hvd_resilient.detect.progress import VICTIM_FACTOR, ProgressWatchdog
 
 
 def _dog(tmp_path, **kw):

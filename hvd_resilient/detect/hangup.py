@@ -11,7 +11,7 @@ descriptor; the descriptor stays valid, so the library that owns it closes it as
 would. Closing our own copy would do neither while another copy is open.
 
 Works for any Gloo group (Horovod's, torch.distributed's): the caller names the connections by
-their endpoints, as seen from this process (how `backends/horovod/detect/peer_watch.py` finds
+their endpoints, as seen from this process (how `detect/gloo_watch.py` finds
 the Gloo ones), and only sockets of this process with exactly those endpoints are touched.
 Linux; stdlib and psutil only.
 """

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from hvd_resilient.backends.horovod.detect import peer_watch, tcp_sockets
+from hvd_resilient.detect import gloo_watch, tcp_sockets
 from hvd_resilient.training.faults import FaultPlan
 from tests.support.runs import assert_faults_fired
 
@@ -31,7 +31,7 @@ def endpoints(s: socket.socket) -> tuple[tuple[str, int], tuple[str, int]]:
     return s.getsockname()[:2], s.getpeername()[:2]
 
 
-def wait_detected(watch: peer_watch.PeerWatch, timeout: float = 5.0) -> bool:
+def wait_detected(watch: gloo_watch.GlooWatch, timeout: float = 5.0) -> bool:
     end = time.time() + timeout
     while time.time() < end:
         if watch.detected_at is not None:
@@ -52,17 +52,17 @@ def test_only_connections_mirrored_by_another_rank_are_peers(pair):
     a, b, (other, _) = pair
     # rank 1 holds b's endpoints: a is a peer connection of rank 0; `other` is not
     everyone = [[endpoints(a), endpoints(other)], [endpoints(b)]]
-    mine = {(s.local, s.remote) for s in peer_watch.peer_connections(everyone, 0)}
+    mine = {(s.local, s.remote) for s in gloo_watch.peer_connections(everyone, 0)}
     assert endpoints(a) in mine
     assert endpoints(other) not in mine
 
 
 def test_hangup_of_a_peer_is_detected_and_our_connections_are_shut(pair):
     a, b, (other, other_peer) = pair
-    watch = peer_watch.PeerWatch()
+    watch = gloo_watch.GlooWatch()
     # watch a and other (both "peers" here); the far end of a hangs up
     everyone = [[endpoints(a), endpoints(other)], [endpoints(b), endpoints(other_peer)]]
-    assert watch.arm(everyone, 0) == 2
+    assert watch.arm(0, everyone) == 2
     b.close()
     assert wait_detected(watch), "hang-up not seen"
     assert "hung up" in watch.detail
@@ -74,8 +74,8 @@ def test_hangup_of_a_peer_is_detected_and_our_connections_are_shut(pair):
 
 def test_a_silent_peer_is_not_a_failure(pair):
     a, b, _ = pair
-    watch = peer_watch.PeerWatch()
-    assert watch.arm([[endpoints(a)], [endpoints(b)]], 0) == 1
+    watch = gloo_watch.GlooWatch()
+    assert watch.arm(0, [[endpoints(a)], [endpoints(b)]]) == 1
     b.sendall(b"x")  # traffic without a hang-up, then silence
     stalled = threading.Event()
     assert not stalled.wait(0.5)
@@ -87,8 +87,8 @@ def test_a_silent_peer_is_not_a_failure(pair):
 
 def test_hangup_after_disarm_is_ignored(pair):
     a, b, _ = pair
-    watch = peer_watch.PeerWatch()
-    watch.arm([[endpoints(a)], [endpoints(b)]], 0)
+    watch = gloo_watch.GlooWatch()
+    watch.arm(0, [[endpoints(a)], [endpoints(b)]])
     watch.disarm()
     b.close()
     a.settimeout(5)
@@ -107,7 +107,7 @@ def test_stall_fault_sleeps_and_does_not_raise(tmp_path):
 
 
 def test_driver_watch_calls_lost_after_consecutive_failed_probes():
-    from hvd_resilient.backends.horovod.detect import driver_watch
+    from hvd_resilient.backends.horovod import driver_watch
 
     server = socket.create_server(("127.0.0.1", 0))
     address = server.getsockname()[:2]

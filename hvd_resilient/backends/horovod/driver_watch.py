@@ -15,7 +15,7 @@ import os
 import threading
 from collections.abc import Callable
 
-from hvd_resilient.backends.heartbeat import probe as reachable
+from hvd_resilient.detect.heartbeat import probe as reachable
 from hvd_resilient.errors import DRIVER_LOST_EXIT_CODE, exit_now
 from hvd_resilient.events import EventLog
 from hvd_resilient.log import get
@@ -27,7 +27,7 @@ PROBE_TIMEOUT_S = 2.0
 """A probe's connect may wait this long: on a saturated or throttled link a SYN can be dropped
 and resent after 1 s, which must not read as a lost driver (seen with a 256 kbit tbf link).
 A killed driver refuses at once, so it is still found in about LOST_AFTER seconds; a cut-off
-host is found sooner by the heartbeats (`backends/heartbeat.py`)."""
+host is found sooner by the heartbeats (`detect/heartbeat.py`)."""
 
 _started = False
 _lock = threading.Lock()

@@ -1,4 +1,4 @@
-"""What a worker does when its heartbeats find a peer silent (`backends/heartbeat.py`).
+"""What a worker does when its heartbeats find a peer silent (`detect/heartbeat.py`).
 
 The same everywhere: record `peer_silent`, SIGKILL the silent peers that run on this machine
 (SIGKILL works on a stopped process, so it can never wake up inside a world that moved on).
@@ -20,7 +20,7 @@ import os
 import signal
 from typing import Any, Protocol
 
-from hvd_resilient.backends import heartbeat
+from hvd_resilient.detect import heartbeat
 from hvd_resilient.errors import HUNG_EXIT_CODE, exit_now
 
 log = logging.getLogger("hvd_resilient.silent_peers")
@@ -68,7 +68,10 @@ def outward_ip(target: tuple[str, int] | None) -> str:
 
 
 class SilentPeers:
-    """Built once per worker process; `peer()` goes into the allgather at every (re)start."""
+    """Built once per worker process; `peer()` goes into the allgather at every (re)start.
+    A `detect.Detector` (what it offers the others: where its heartbeats answer)."""
+
+    name = "heartbeats"
 
     def __init__(self, timeout_s: float, events: Any, *, machine: str, slot: str,
                  coordinator: tuple[str, int] | None, evict: Evict | None = None) -> None:
@@ -86,6 +89,9 @@ class SilentPeers:
     def peer(self, rank: int) -> heartbeat.Peer:
         return heartbeat.Peer(rank, self.address, self.machine, os.getpid(), self.slot,
                               self.hb.view)
+
+    def offer(self, rank: int) -> heartbeat.Peer:
+        return self.peer(rank)
 
     def arm(self, me: int, everyone: list[heartbeat.Peer]) -> int:
         return self.hb.arm(me, everyone)

@@ -29,10 +29,10 @@ import threading
 import time
 from typing import Any
 
-from hvd_resilient.backends.horovod.detect import tcp_sockets
+from hvd_resilient.detect import tcp_sockets
 from hvd_resilient.log import get
 
-log = get("peer_watch")
+log = get("gloo_watch")
 
 _HANGUP = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0x2000)
 # Before acting on a hang-up, wait this long for a disarm: a peer that leaves on purpose (a reset
@@ -61,8 +61,11 @@ def peer_connections(everyone: list[list[Conn]], me: int) -> list[tcp_sockets.Tc
     ]
 
 
-class PeerWatch:
-    """Armed after every (re)initialisation, disarmed before every deliberate teardown."""
+class GlooWatch:
+    """Armed after every (re)initialisation, disarmed before every deliberate teardown; a
+    `detect.Detector` (what it offers the others: this process's connections)."""
+
+    name = "connections"
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -74,7 +77,10 @@ class PeerWatch:
         self.detected_at: float | None = None
         self.detail = ""
 
-    def arm(self, everyone: list[list[Conn]], me: int) -> int:
+    def offer(self, rank: int) -> list[Conn]:
+        return local_connections()
+
+    def arm(self, me: int, everyone: list[list[Conn]]) -> int:
         """`everyone` is every rank's `local_connections()` (an allgather). Returns the number
         of connections watched; 0 means detection falls back to the Gloo timeout."""
         self.disarm()
