@@ -1,4 +1,5 @@
-"""The collective layer under the trainer: Horovod (elastic or MPI) or torch.distributed.
+"""The collective layer under the trainer: Horovod (elastic or MPI), torch.distributed under
+torchrun, or torch.distributed in place (generations under the in-place agent).
 
 `detect()` reads which launcher started this process; the trainer and the durable checkpoints
 talk to whichever backend through the small interface in `base.py`.
@@ -30,7 +31,17 @@ def _torchrun(*, fsdp: bool, recovery: RecoveryOptions) -> Backend:
                             heartbeat_timeout_s=recovery.heartbeat_timeout_seconds)
 
 
-_REGISTRY: dict[str, Factory] = {"horovod": _horovod, "torchrun": _torchrun}
+def _inplace(*, fsdp: bool, recovery: RecoveryOptions) -> Backend:
+    from hvd_resilient.backends.inplace.backend import InPlaceBackend
+
+    if fsdp:
+        raise ConfigError("--fsdp is not supported by the inplace backend yet; use torchrun")
+    return InPlaceBackend(pg_timeout_seconds=recovery.pg_timeout_seconds,
+                          heartbeat_timeout_s=recovery.heartbeat_timeout_seconds)
+
+
+_REGISTRY: dict[str, Factory] = {"horovod": _horovod, "torchrun": _torchrun,
+                                 "inplace": _inplace}
 """name -> factory; a factory imports its backend only when called (Horovod is optional)."""
 NAMES = tuple(_REGISTRY)
 
@@ -46,9 +57,15 @@ def names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
+INPLACE_AGENT_ENV = "HVD_RESILIENT_AGENT"
+"""Set by the in-place agent for its workers (`backends.inplace.membership.AGENT_ENV`)."""
+
+
 def detect(env: Mapping[str, str] = os.environ) -> str:
-    """torchrun sets TORCHELASTIC_RUN_ID; everything else (horovodrun, mpirun, srun, a plain
-    single process) runs on Horovod."""
+    """The in-place agent and torchrun (TORCHELASTIC_RUN_ID) say so; everything else
+    (horovodrun, mpirun, srun, a plain single process) runs on Horovod."""
+    if INPLACE_AGENT_ENV in env:
+        return "inplace"
     return "torchrun" if "TORCHELASTIC_RUN_ID" in env else "horovod"
 
 

@@ -8,6 +8,10 @@ commit step after the file appears, so a test ends a job after the scale changes
 
 Rank 0 appends {step, size, digests} to <run_dir>/digests.jsonl at every commit step: what a
 resume from that step must give back (the `resume` event carries the resumed digests).
+
+With --samples every rank appends each step's sample ids to <run_dir>/samples.jsonl (all its
+micro-batches, at the first one's sampler position) and the job ends with a `done` event
+carrying the step count: what `tests.support.exactly_once.assert_exactly_once` reads.
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ def main() -> int:
     TrainConfig.add_arguments(p)
     p.add_argument("--recipe", required=True)
     p.add_argument("--step-time", type=float, default=0.0, help="simulated compute per step")
+    p.add_argument("--samples", action="store_true", help="record every step's sample ids")
     p.add_argument("--stop-file", default="",
                    help="end at the first commit step after this file exists (all ranks agree)")
     args = p.parse_args()
@@ -79,7 +84,22 @@ def main() -> int:
     data = list(zip(x, (x[:, 0] + x[:, 1]) % recipes.VOCAB, strict=True))
     out = os.path.join(cfg.run_dir, "digests.jsonl")
 
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    samples = os.open(os.path.join(cfg.run_dir, "samples.jsonl"),
+                      os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if args.samples else None
+
+    def record(state) -> None:
+        """One write(2) of one line: a SIGKILL never leaves half a line."""
+        first = trainer.batches[0].key
+        line = json.dumps({"t": time.time(), "step": state.step - 1, "size": first.world,
+                           "rank": first.rank, "epoch": first.position[0],
+                           "pos": first.position[1],
+                           "ids": [i for b in trainer.batches for i in b.used]})
+        os.write(samples, (line + "\n").encode())
+
     def on_step(state, _loss: float) -> None:
+        if samples is not None:
+            record(state)
         if args.step_time:
             time.sleep(args.step_time)  # stands in for compute: a longer run, nothing waits on it
         if state.step % cfg.commit_every:
@@ -94,7 +114,12 @@ def main() -> int:
 
     trainer = Trainer(model, opt, nn.functional.cross_entropy, data, cfg, scheduler=sched,
                       on_step=on_step)
-    trainer.fit()
+    result = trainer.fit()
+    if samples is not None:  # the trainer's own `done` has no step count
+        from hvd_resilient.events import EventLog
+
+        EventLog(os.path.join(cfg.run_dir, "events.jsonl"), rank=result.rank,
+                 size=result.world_size).emit("done", steps=result.step, samples=True)
     return 0
 
 

@@ -1,0 +1,185 @@
+"""The in-place backend: torch.distributed (Gloo) in generations; survivors keep their process.
+
+A fault is anything that fails a collective: a peer that died (its kernel hangs up, and the
+Gloo hang-up watch spreads that to every rank at once), a peer its heartbeats found silent
+(the agent ends it), a collective error. Each survivor then: hangs up on its peers (so none
+waits out its timeout on this rank), drops the generation's group locally (its sockets are
+shut: nothing left to wait for, measured 0.1 ms), asks the agent for the next generation,
+restores its last in-memory commit, forms the new group and syncs (`state.agreement`, rank 0 a
+survivor). The step loop goes on; the sampler re-plans the rest of the epoch for the new size.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hvd_resilient.backends import determinism
+from hvd_resilient.backends.base import Backend
+from hvd_resilient.backends.inplace.grads import GradientAverager
+from hvd_resilient.backends.inplace.membership import Fenced, Membership
+from hvd_resilient.backends.inplace.state import InPlaceState
+from hvd_resilient.backends.torchrun.collectives import TorchDistCollectives
+from hvd_resilient.detect import Detectors, hangup, progress
+from hvd_resilient.detect.gloo_watch import GlooWatch
+from hvd_resilient.detect.heartbeat import Peer
+from hvd_resilient.detect.silent_peers import SilentPeers
+from hvd_resilient.errors import HUNG_EXIT_CODE, HvdResilientError, exit_now
+from hvd_resilient.log import get
+
+log = get("inplace")
+MAX_FAILED_GENERATIONS = 5
+"""Generations in a row that fail before their first commit: then the fault is not a peer's
+(a bug that fails a collective every time), and the job stops instead of looping."""
+_GLOO_MARKERS = ("gloo", "Connection closed", "Connection reset", "Broken pipe", "Read error",
+                 "Timed out", "NCCL")
+
+
+def collective_failure(e: BaseException) -> bool:
+    """A failed collective (raised as a plain RuntimeError by Gloo), not a bug of the script."""
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(e, dist_error):
+        return True
+    return isinstance(e, RuntimeError) and any(m in str(e) for m in _GLOO_MARKERS)
+
+
+class GenerationsFailed(HvdResilientError):
+    """Generations keep failing before their first commit: stop (the supervisor relaunches
+    from the durable checkpoint)."""
+
+
+class _AgentEvict:
+    """Silent peers are ended by the agent (`launch/inplace_agent.py`), which sees every
+    worker; this rank's collectives fail now (the watch trips)."""
+
+    def __init__(self, membership: Membership, trip: Callable[[str], None]) -> None:
+        self.membership, self.trip = membership, trip
+
+    def evicted_first(self, peers: list[Peer], alone: bool) -> bool:
+        return self.membership.evicted()
+
+    def __call__(self, peers: list[Peer], detail: str) -> None:
+        self.membership.evict([int(p.slot) for p in peers if p.slot.isdigit()], detail)
+        self.trip(detail)
+
+
+class InPlaceBackend(Backend):
+    name = "inplace"
+    resume_on_every_rank = False  # rank 0 reads the durable checkpoint, the sync spreads it
+    reduces_in_backward = False  # the gradients are averaged at optimizer.step() (grads.py)
+
+    def __init__(self, pg_timeout_seconds: float = 300.0, heartbeat_timeout_s: float = 1.5,
+                 generation_timeout_s: float = 120.0) -> None:
+        self.pg_timeout = datetime.timedelta(seconds=pg_timeout_seconds)
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.generation_timeout_s = generation_timeout_s
+        self.membership: Membership | None = None
+        self.collectives = TorchDistCollectives()
+
+    def init(self, comm: Any | None = None) -> None:
+        determinism.apply(determinism.enabled())
+        m = self.membership = Membership(self.generation_timeout_s)
+        m.wait_beyond(-1)
+        m.form(self.pg_timeout)
+
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    def size(self) -> int:
+        return dist.get_world_size()
+
+    def local_size(self) -> int:
+        return dist.get_world_size()  # the agent starts every worker on its machine
+
+    def wrap(self, model: Any, optimizer: Any, *, accumulation: int = 1) -> tuple[Any, Any]:
+        """The model as it is (its parameters are made equal by every sync), the optimizer
+        averaging gradients at each step."""
+        GradientAverager(optimizer)
+        return model, optimizer
+
+    def make_state(self, model: Any, optimizer: Any, **kwargs: Any) -> Any:
+        return InPlaceState(model, optimizer, rank=self.rank, size=self.size,
+                            collectives=self.collectives, **kwargs)
+
+    def run(self, fn: Callable[[Any], None], state: Any) -> None:
+        m = self.membership
+        assert m is not None, "init() first"
+        watch = GlooWatch()
+        detectors = Detectors(watch, SilentPeers(
+            self.heartbeat_timeout_s, state.events, machine=socket.gethostname(),
+            slot=str(m.me), coordinator=None, evict=_AgentEvict(m, watch.trip)))
+        failed_in_a_row, last_commit = 0, state.last_commit_step
+        try:
+            while True:
+                try:
+                    with progress.section("sync", None):
+                        counts = detectors.arm_with(self.rank(), self.allgather_object)
+                        state.events.emit("watch", generation=m.generation, **counts)
+                        t0 = time.time()
+                        state.sync()
+                        state.events.emit("sync", seconds=round(time.time() - t0, 6))
+                    fn(state)
+                    detectors.disarm()  # nobody leaves while a peer still watches
+                    dist.barrier()
+                    return
+                except Exception as e:
+                    if not collective_failure(e):
+                        raise
+                    detected = time.time()
+                    hangup.hang_up(watch.stand_down())  # peers blocked on this rank fail now
+                    detectors.disarm()
+                    if state.last_commit_step != last_commit:
+                        failed_in_a_row, last_commit = 0, state.last_commit_step
+                    failed_in_a_row += 1
+                    if failed_in_a_row > MAX_FAILED_GENERATIONS:
+                        raise GenerationsFailed(
+                            f"{failed_in_a_row} generations in a row failed before a commit; "
+                            f"last: {type(e).__name__}: {str(e).splitlines()[0][:200]}") from e
+                    self._next_generation(state, e, detected, watch)
+        finally:
+            detectors.disarm()
+
+    def _next_generation(self, state: Any, error: BaseException, detected: float,
+                         watch: GlooWatch) -> None:
+        m = self.membership
+        assert m is not None
+        old_gen, old_size = m.generation, self.size()
+        hung_up = watch.detected_at
+        state.events.emit("failure_detected", error=f"{type(error).__name__}: "
+                          f"{str(error).strip().splitlines()[0][:200] if str(error) else ''}",
+                          peer_hangup=watch.detail or None, generation=old_gen,
+                          detect_seconds=round(detected - hung_up, 6) if hung_up else None)
+        with progress.section("reset", None):
+            state.restore()
+            dist.destroy_process_group()  # local: its sockets are shut, nothing to wait for
+            m.report_fault(old_gen)
+            try:
+                m.wait_beyond(old_gen)
+            except Fenced as e:
+                log.error("%s; exiting (code %d)", e, HUNG_EXIT_CODE)
+                exit_now(HUNG_EXIT_CODE)
+            m.form(self.pg_timeout)
+        state.reset_done()
+        state.events.emit("reset", old_size=old_size, new_size=self.size(),
+                          generation=m.generation, seconds=round(time.time() - detected, 6))
+        if self.rank() == 0:
+            log.info("generation %d: world size %d -> %d", m.generation, old_size, self.size())
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        return self.collectives.allgather_object(obj)
+
+    def any_rank(self, flag: bool) -> bool:
+        t = torch.tensor([1.0 if flag else 0.0])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item() > 0)
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+

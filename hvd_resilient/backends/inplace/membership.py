@@ -1,0 +1,111 @@
+"""The generations, as the agent's store holds them: what a worker reads and reports.
+
+Keys (all under `PREFIX`): ``gen`` is the newest generation's number; ``gen/<g>`` its members
+(member ids, JSON, in rank order); ``want/<member>`` is the generation a member saw fail (it
+asks for the next one). The agent publishes the next generation with the members that asked,
+once every live member has (a dead one is reaped in milliseconds), or after its last call,
+ending the ones that did not ask. ``evict/<member>`` names a member its peers found silent
+(frozen, cut off): the agent ends it. ``pg/<g>/`` holds generation g's process-group keys, so
+a new group never reads a dead generation's addresses.
+
+Member ids are the agent's, never reused: a worker started later (a replacement) gets a new
+one, and ranks are positions in a generation's member list.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+
+import torch.distributed as dist
+
+from hvd_resilient.backends import INPLACE_AGENT_ENV
+
+PREFIX = "hvd_resilient/inplace/"
+AGENT_ENV = INPLACE_AGENT_ENV
+"""``host:port`` of the agent's store; set by the agent for every worker it starts."""
+MEMBER_ENV = "HVD_RESILIENT_MEMBER"
+POLL_S = 0.005
+
+
+def gen_key(g: int) -> str:
+    return f"gen/{g}"
+
+
+def want_key(member: int) -> str:
+    return f"want/{member}"
+
+
+def evict_key(member: int) -> str:
+    return f"evict/{member}"
+
+
+def group_prefix(g: int) -> str:
+    return f"{PREFIX}pg/{g}/"
+
+
+class Fenced(Exception):
+    """This worker is not in the newest generation: the others went on without it."""
+
+
+class Membership:
+    """A worker's view of the generations (one store connection to the agent)."""
+
+    def __init__(self, timeout_s: float, env: dict[str, str] | None = None) -> None:
+        env = dict(os.environ if env is None else env)
+        host, _, port = env[AGENT_ENV].rpartition(":")
+        self.me = int(env[MEMBER_ENV])
+        self.timeout_s = timeout_s
+        self.base = dist.TCPStore(host, int(port), is_master=False,
+                                  timeout=datetime.timedelta(seconds=timeout_s))
+        self.store = dist.PrefixStore(PREFIX, self.base)
+        self.generation = -1
+        self.members: list[int] = []
+
+    def newest(self) -> int:
+        return int(self.store.get("gen"))
+
+    def wait_beyond(self, g: int) -> int:
+        """The first generation after ``g`` that holds this worker; raises `Fenced` when one
+        was published without it, TimeoutError when none comes in time."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            newest = self.newest()
+            if newest > g:
+                members = json.loads(self.store.get(gen_key(newest)))
+                if self.me not in members:
+                    raise Fenced(f"generation {newest} ({members}) goes on without member "
+                                 f"{self.me}")
+                self.generation, self.members = newest, members
+                return newest
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no generation after {g} within {self.timeout_s:.0f}s")
+            time.sleep(POLL_S)
+
+    def report_fault(self, g: int) -> None:
+        """Generation ``g`` failed here: this member asks to be in the next one."""
+        self.store.set(want_key(self.me), str(g))
+
+    def evict(self, members: list[int], detail: str) -> None:
+        for m in members:
+            self.store.set(evict_key(m), detail)
+
+    def evicted(self) -> bool:
+        return self.store.check([evict_key(self.me)])
+
+    def changed(self) -> bool:
+        """A newer generation than this worker's is published (a member joins or left)."""
+        return self.newest() != self.generation
+
+    @property
+    def rank(self) -> int:
+        return self.members.index(self.me)
+
+    def form(self, pg_timeout: datetime.timedelta) -> None:
+        """This generation's process group (the default group), over its own prefix."""
+        dist.init_process_group("gloo", store=dist.PrefixStore(group_prefix(self.generation),
+                                                               self.base),
+                                rank=self.rank, world_size=len(self.members),
+                                timeout=pg_timeout)

@@ -1,0 +1,187 @@
+"""The in-place agent: starts the workers of one machine, hosts the generations' store, and
+decides every membership (`backends/inplace/membership.py`).
+
+    python -m hvd_resilient.launch.inplace_agent --nproc 4 [--min-np 2] -- python train.py ...
+
+It is never a training rank, so the store outlives any worker. A worker that dies (or that its
+peers found silent, which the agent ends) is dropped from the next generation; the survivors
+go on in their processes. Fewer than ``--min-np`` live workers end the job (exit 1), so that
+`hvd-resilient run` relaunches it from the durable checkpoint. SIGTERM and SIGINT are passed
+on to every worker (the trainer's preemption path: a final checkpoint, exit 75).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+import torch.distributed as dist
+
+from hvd_resilient import log
+from hvd_resilient.backends.inplace.membership import (
+    AGENT_ENV,
+    MEMBER_ENV,
+    PREFIX,
+    evict_key,
+    gen_key,
+    want_key,
+)
+from hvd_resilient.data.loader import die_with_parent
+from hvd_resilient.errors import ConfigError, exit_on_error
+
+logger = log.get("inplace_agent")
+POLL_S = 0.01
+
+
+class Agent:
+    def __init__(self, cmd: Sequence[str], nproc: int, min_np: int, last_call_s: float,
+                 host: str = "127.0.0.1") -> None:
+        self.cmd, self.nproc, self.min_np, self.last_call_s = list(cmd), nproc, min_np, last_call_s
+        self.server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=60))
+        self.store = dist.PrefixStore(PREFIX, self.server)
+        self.address = f"{host}:{self.server.port}"
+        self.alive: dict[int, subprocess.Popen[bytes]] = {}
+        self.failed: dict[int, int] = {}
+        self.finished: set[int] = set()
+        self.generation, self.members = -1, []
+        self._asked_since: float | None = None
+        self._stopping = False
+
+    def _start(self, member: int) -> None:
+        env = {**os.environ, AGENT_ENV: self.address, MEMBER_ENV: str(member),
+               "PYTHONUNBUFFERED": "1"}
+        parent = os.getpid()
+        self.alive[member] = subprocess.Popen(self.cmd, env=env,
+                                              preexec_fn=lambda: die_with_parent(parent))
+
+    def _publish(self, members: list[int]) -> None:
+        self.generation += 1
+        self.members = members
+        self.store.set(gen_key(self.generation), json.dumps(members))
+        self.store.set("gen", str(self.generation))
+        self._asked_since = None
+        logger.info("generation %d: members %s", self.generation, members)
+
+    def _reap(self) -> None:
+        for m, p in list(self.alive.items()):
+            rc = p.poll()
+            if rc is None:
+                continue
+            del self.alive[m]
+            if rc == 0:
+                self.finished.add(m)
+            else:
+                self.failed[m] = rc
+                logger.warning("member %d exited (code %d)", m, rc)
+
+    def _fence(self, members: list[int], why: str) -> None:
+        for m in members:
+            p = self.alive.get(m)
+            if p is not None and p.poll() is None:
+                logger.warning("ending member %d: %s", m, why)
+                p.kill()
+
+    def _asked(self) -> set[int]:
+        out = set()
+        for m in self.alive:
+            key = want_key(m)
+            if self.store.check([key]) and int(self.store.get(key)) >= self.generation:
+                out.add(m)
+        return out
+
+    def _evictions(self) -> None:
+        for m in list(self.alive):
+            key = evict_key(m)
+            if self.store.check([key]):
+                self._fence([m], f"its peers found it silent ({self.store.get(key).decode()})")
+                self.store.delete_key(key)
+
+    def _step(self) -> int | None:
+        """One look at the workers; an exit code when the job is over."""
+        self._reap()
+        if not self.alive:
+            return 0 if self.finished else max(self.failed.values(), default=1)
+        if self.finished or self._stopping:  # the run is ending: no new generation
+            return None
+        self._evictions()
+        lost = [m for m in self.members if m not in self.alive]
+        asked = self._asked()
+        if not lost and not asked:
+            return None
+        now = time.monotonic()
+        if self._asked_since is None:
+            self._asked_since = now
+        waiting = sorted(set(self.alive) - asked)
+        if waiting and now - self._asked_since < self.last_call_s:
+            return None  # a live member still in its step: it fails at its next collective
+        if waiting:
+            self._fence(waiting, f"it did not ask for generation {self.generation + 1} within "
+                                 f"{self.last_call_s:g}s")
+        members = sorted(asked)
+        if len(members) < self.min_np:
+            logger.error("%d live members, fewer than --min-np %d: ending the job so that it "
+                         "restarts from its durable checkpoint", len(members), self.min_np)
+            self._fence(list(self.alive), "the job ends")
+            return 1
+        self._publish(members)
+        return None
+
+    def _forward(self, signum: int, _frame: object) -> None:
+        self._stopping = True
+        for p in self.alive.values():
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._forward)
+        for m in range(self.nproc):
+            self._start(m)
+        self._publish(list(range(self.nproc)))
+        while True:
+            code = self._step()
+            if code is not None:
+                for p in self.alive.values():
+                    p.wait()
+                return code
+            time.sleep(POLL_S)
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m hvd_resilient.launch.inplace_agent",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--nproc", type=int, required=True, help="workers to start on this machine")
+    p.add_argument("--min-np", type=int, default=1,
+                   help="fewer live workers end the job (exit 1) for a restart")
+    p.add_argument("--last-call", type=float, default=5.0,
+                   help="seconds a live worker may take to ask for the next generation before "
+                        "it is ended (it normally asks within milliseconds of a fault)")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the worker command")
+    a = p.parse_args(argv)
+    if a.cmd[:1] == ["--"]:
+        a.cmd = a.cmd[1:]
+    if not a.cmd:
+        raise ConfigError("no worker command: put it after --, e.g. -- python train.py")
+    if a.nproc < 1 or not 1 <= a.min_np <= a.nproc:
+        raise ConfigError(f"need --nproc >= 1 and 1 <= --min-np <= --nproc, got --nproc "
+                          f"{a.nproc} --min-np {a.min_np}")
+    return a
+
+
+@exit_on_error
+def main(argv: Sequence[str] | None = None) -> int:
+    a = parse(sys.argv[1:] if argv is None else argv)
+    log.setup(rank_fn=lambda: 0)  # the agent speaks as rank 0 does
+    return Agent(a.cmd, a.nproc, a.min_np, a.last_call).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

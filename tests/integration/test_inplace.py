@@ -1,0 +1,98 @@
+"""The in-place backend under its agent: a fault drops the culprit from the next generation and
+the survivors go on in their own processes, on a real recipe (AdamW with weight decay, warmup +
+cosine, accumulation 4, clipping, bf16 autocast, an EMA: tests/scripts/recipe_job.py).
+
+Asserted from the run's own records: no worker restarted (every `start` is from the first
+launch), every remaining rank identical in every component, the work redone at most one commit
+interval, and each sample of every completed epoch used exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.support.exactly_once import assert_exactly_once
+from tests.support.jobs import PYTHON, events
+from tests.support.paths import SCRIPTS
+from tests.support.runs import assert_faults_fired
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+JOB = str(SCRIPTS / "recipe_job.py")
+N_SAMPLES = 1536  # recipe_job's data set
+COMMIT_EVERY = 4
+RECIPE = ["--recipe", "adamw-warmup-cosine", "--recipe-grad-accum", "4",
+          "--recipe-clip-grad-norm", "1.0", "--recipe-precision", "bf16",
+          "--recipe-ema-decay", "0.999"]
+
+
+def agent_job(jobs, run: Path, nproc: int, fault: str, max_steps: int, name: str,
+              *agent_args: str):
+    cmd = [PYTHON, "-m", "hvd_resilient.launch.inplace_agent", "--nproc", str(nproc),
+           *agent_args, "--", PYTHON, JOB, *RECIPE, "--samples", "--run-id", name,
+           "--run-dir", str(run), "--batch-size", "8", "--commit-every", str(COMMIT_EVERY),
+           "--epochs", "1000", "--max-steps", str(max_steps), "--checkpoint-every", "1000",
+           "--no-store-memory-tier", "--step-time", "0.02"]
+    return jobs.start(cmd, env=jobs.env(HVD_RESILIENT_FAULT=fault), name=name)
+
+
+def trainer_done(run: Path) -> dict[int, dict]:
+    return {e["rank"]: e for e in events(run / "events.jsonl")
+            if e["event"] == "done" and "digests" in e}
+
+
+def assert_survivors_went_on(run: Path, nproc: int, survivors: int) -> None:
+    evs = events(run / "events.jsonl")
+    starts = [e for e in evs if e["event"] == "start"]
+    assert len(starts) == nproc, f"a worker was (re)started: {len(starts)} starts"
+    resets = [e for e in evs if e["event"] == "reset"]
+    assert resets and {e["new_size"] for e in resets} == {survivors}, resets
+    done = trainer_done(run)
+    assert sorted(done) == list(range(survivors)), sorted(done)
+    first = done[0]["digests"]
+    assert {"model", "optimizer", "scheduler", "sampler", "ema"} <= set(first), first
+    differ = {r: sorted(k for k in d["digests"] if d["digests"][k] != first[k])
+              for r, d in done.items() if d["digests"] != first}
+    assert not differ, f"ranks differ from rank 0 in: {differ}"
+    restores = [e for e in evs if e["event"] == "restore"]
+    assert restores and all(0 <= e["lost_steps"] <= COMMIT_EVERY for e in restores), restores
+    assert assert_exactly_once(run, N_SAMPLES) >= 1
+
+
+def test_a_killed_worker_is_dropped_and_the_survivors_go_on_in_their_processes(tmp_path, jobs):
+    run = tmp_path / "run"
+    job = agent_job(jobs, run, 3, "kill:rank=1:step=13", 40, "inplace-kill")
+    assert job.wait(300) == 0, job.output()[-3000:]
+    assert_faults_fired(run, 1)
+    assert "generation 1: members [0, 2]" in job.output(), job.output()[-3000:]
+    assert_survivors_went_on(run, 3, 2)
+    detected = [e for e in events(run / "events.jsonl") if e["event"] == "failure_detected"]
+    assert len(detected) == 2 and all("Gloo" in e["error"] or "gloo" in e["error"]
+                                      for e in detected), detected
+
+
+def test_a_frozen_worker_is_found_silent_ended_by_the_agent_and_dropped(tmp_path, jobs):
+    """SIGSTOP: nothing hangs up; the heartbeats find it, the agent ends it (SIGKILL works on
+    a stopped process), and the others form the next generation without it."""
+    run = tmp_path / "run"
+    job = agent_job(jobs, run, 3, "freeze:rank=2:step=13", 40, "inplace-freeze")
+    assert job.wait(300) == 0, job.output()[-3000:]
+    assert_faults_fired(run, 1)
+    assert "its peers found it silent" in job.output(), job.output()[-3000:]
+    silent = [e for e in events(run / "events.jsonl") if e["event"] == "peer_silent"]
+    assert silent and all(e["ranks"] == [2] for e in silent), silent
+    assert_survivors_went_on(run, 3, 2)
+
+
+def test_fewer_workers_than_min_np_end_the_job_for_a_restart(tmp_path, jobs):
+    """Below --min-np the agent ends every worker and exits 1: `hvd-resilient run` relaunches
+    from the durable checkpoint (the restart path)."""
+    run = tmp_path / "run"
+    job = agent_job(jobs, run, 2, "kill:rank=1:step=6", 40, "inplace-min", "--min-np", "2")
+    assert job.wait(300) == 1, job.output()[-3000:]
+    assert "fewer than --min-np 2" in job.output()
+    assert not trainer_done(run), "nobody may finish a job that ended"
+    assert not [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()
+                if '"reset"' in x], "no generation formed below --min-np"
