@@ -21,6 +21,7 @@ from hvd_resilient.errors import SUPERVISED_ENV, ConfigError, LaunchError
 from hvd_resilient.launch.commands import (
     horovodrun_static,
     hosts_arg,
+    inplace_command,
     mpirun_command,
     torchrun_command,
 )
@@ -28,7 +29,7 @@ from hvd_resilient.launch.horovod.command import ElasticLaunch, horovodrun_comma
 from hvd_resilient.launch.supervisor import Supervisor
 from hvd_resilient.masking import has_credentials, mask_env, mask_text, mask_url
 
-BACKENDS = ("horovod", "mpi", "torchrun")
+BACKENDS = ("horovod", "mpi", "torchrun", "inplace")
 FORWARDED_PREFIXES = ("HVD_RESILIENT_", "AWS_", "PYTHONPATH", "OMP_NUM_THREADS")
 
 DEFAULTS: dict[str, Any] = {
@@ -92,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the dashes (max_restarts: 5); flags given here win (default: none)")
     p.add_argument("--backend", choices=BACKENDS,
                    help="the launcher: horovod (Horovod Elastic with --discovery, else static "
-                        f"horovodrun), mpi (mpirun) or torchrun (default {d['backend']})")
+                        f"horovodrun), mpi (mpirun), torchrun, or inplace (torch.distributed, "
+                        f"survivors keep their processes; one machine) "
+                        f"(default {d['backend']})")
     p.add_argument("--hosts", help="static hosts host:slots,..., e.g. h1:2,h2:2 "
                                    "(default: this machine)")
     p.add_argument("--discovery", metavar="SCRIPT",
@@ -103,8 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"processes per node (default {d['np']})")
     p.add_argument("--min-np", type=int,
                    help="horovod with --discovery, or with --hosts (elastic on fixed hosts, "
-                        "as horovodrun -H with --min-np): train on down to this many "
-                        "processes (default 1)")
+                        "as horovodrun -H with --min-np), or inplace: train on down to "
+                        "this many processes (default 1)")
     p.add_argument("--max-np", type=int,
                    help="horovod with --discovery or elastic --hosts: grow up to this many "
                         "processes (default: --np)")
@@ -251,8 +254,11 @@ def check_sizes(opts: dict[str, Any]) -> None:
     np, lo, hi = opts["np"], opts.get("min_np"), opts.get("max_np")
     if np < 1:
         raise ConfigError(f"run: --np must be >= 1, got {np}")
+    if opts["backend"] == "inplace" and opts.get("hosts"):
+        raise ConfigError("run: --backend inplace runs its workers on this machine for now; "
+                          "drop --hosts (or use --backend horovod for several hosts)")
     if (lo is not None or hi is not None) and not elastic_hosts(opts) \
-            and not opts.get("discovery"):
+            and not opts.get("discovery") and opts["backend"] != "inplace":
         raise ConfigError("run: --min-np/--max-np size an elastic job: they need --discovery "
                           "or --hosts (--backend horovod); without them the job runs at --np")
     if lo is not None and lo < 1:
@@ -300,6 +306,8 @@ def launcher_command(opts: dict[str, Any], env_names: list[str]) -> list[str]:
     train = opts["command"]
     if opts["backend"] == "mpi":
         return mpirun_command(opts["np"], hosts, env_names, train)
+    if opts["backend"] == "inplace":
+        return inplace_command(opts["np"], opts.get("min_np") or 1, train)
     if opts["backend"] == "torchrun":
         return torchrun_command(
             opts["np"], opts["nnodes"], opts["rdzv_endpoint"], opts["torchrun_restarts"],

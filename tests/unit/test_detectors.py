@@ -55,3 +55,4 @@ def test_the_real_detectors_fill_the_protocol() -> None:
             assert hasattr(cls, member), f"{cls.__name__} lacks {member}"
         assert cls.arm.__code__.co_varnames[1:3] == ("me", "everyone")
     assert {GlooWatch.name, SilentPeers.name} == {"connections", "heartbeats"}
+
