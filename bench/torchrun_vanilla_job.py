@@ -2,12 +2,14 @@
 
 `init_process_group("gloo")` from torchrun's environment, a small model, a checkpoint file
 every 20 steps that a restarted round resumes from. The events (`start` once the process group
-is up, `enter` with the step resumed from) go to the same event log as ours.
+is up, `enter` with the step resumed from) go to the same event log as ours; each step's end
+is a line of `samples.jsonl` ({t, step, size, pid}), as `tests/scripts/recipe_job.py` writes.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 
@@ -44,6 +46,8 @@ def main() -> int:
         opt.load_state_dict(sd["opt"])
         step = sd["step"]
     events.emit("enter", at_step=step)
+    steps_fd = os.open(os.path.join(a.run_dir, "samples.jsonl"),
+                       os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     while step < a.steps:
         faults.maybe_fire(rank, step)
         x = torch.randn(32, 64)
@@ -52,6 +56,8 @@ def main() -> int:
         opt.step()
         time.sleep(a.step_time)
         step += 1
+        os.write(steps_fd, (json.dumps({"t": time.time(), "step": step - 1, "size": size,
+                                        "pid": os.getpid()}) + "\n").encode())
         if step % 20 == 0 and rank == 0:
             tmp = ckpt + ".tmp"
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)

@@ -93,7 +93,7 @@ def main() -> int:
         first = trainer.batches[0].key
         line = json.dumps({"t": time.time(), "step": state.step - 1, "size": first.world,
                            "rank": first.rank, "epoch": first.position[0],
-                           "pos": first.position[1],
+                           "pos": first.position[1], "pid": os.getpid(),
                            "ids": [i for b in trainer.batches for i in b.used]})
         os.write(samples, (line + "\n").encode())
 

@@ -1,0 +1,227 @@
+"""In-place recovery on torch.distributed against the restart paths: same job, same fault.
+
+Every row runs 4 Gloo workers on this machine training `tests/scripts/recipe_job.py` (AdamW with
+weight decay, warmup + cosine, clipping; commits every 5 steps) and, once 20 steps are done and
+after a random extra 0-0.5 s, hits one random worker from outside (mid-step, mid-collective):
+
+- `inplace_kill` / `inplace_freeze`: `hvd-resilient run --backend inplace` (the in-place agent),
+  SIGKILL / SIGSTOP;
+- `torchrun_kill`: ours under torchrun, exactly what `hvd-resilient run --backend torchrun`
+  starts (warm forks, the memory tier): every worker restarts and resumes from the tier;
+- `vanilla_torchrun_kill`: plain `torchrun` and DDP as the PyTorch docs write it
+  (`bench/torchrun_vanilla_job.py`, a checkpoint file every 20 steps).
+
+Times are from the signal to the first step that ends after it in a recovered world (at the
+new size in place; in a new process after a restart), read from the steps' own records
+(`samples.jsonl`: one line per rank per step, with its time and pid). `redone`: steps trained
+before the signal and trained again after it. `kept pids`: every worker of the recovered world
+is a process of the first launch. Median, p90 and max over the runs; a run that does not recover
+within its timeout counts as failed.
+
+    python bench/inplace_recovery.py --repeats 5 --out bench/results/inplace.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+JOB = ROOT / "tests" / "scripts" / "recipe_job.py"
+VANILLA = ROOT / "bench" / "torchrun_vanilla_job.py"
+NP = 4
+HIT_AFTER_STEP = 20
+ROWS = {
+    "inplace_kill": ("inplace", signal.SIGKILL),
+    "inplace_freeze": ("inplace", signal.SIGSTOP),
+    "torchrun_kill": ("torchrun", signal.SIGKILL),
+    "vanilla_torchrun_kill": ("vanilla", signal.SIGKILL),
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def command(stack: str, run: Path) -> list[str]:
+    train = [sys.executable, str(JOB), "--recipe", "adamw-warmup-cosine",
+             "--recipe-clip-grad-norm", "1.0", "--samples", "--run-id", run.name,
+             "--run-dir", str(run), "--batch-size", "8", "--commit-every", "5",
+             "--epochs", "1000", "--max-steps", "80", "--checkpoint-every", "1000",
+             "--step-time", "0.02"]
+    ckpt = f"file://{run}/ckpt"
+    if stack == "inplace":
+        return [str(VENV_BIN / "hvd-resilient"), "run", "--backend", "inplace", "--np",
+                str(NP), "--run-id", run.name, "--run-dir", str(run), "--checkpoint", ckpt,
+                "--max-restarts", "0", "--", *train]
+    from hvd_resilient.launch.commands import torchrun_command
+
+    if stack == "vanilla":
+        return [str(VENV_BIN / "torchrun"), "--standalone", "--nproc-per-node", str(NP),
+                "--max-restarts", "3", str(VANILLA), "--run-dir", str(run), "--steps", "80"]
+    return torchrun_command(NP, "1", f"127.0.0.1:{free_port()}", 3, run.name,
+                            [*train, "--checkpoint-url", ckpt])
+
+
+def steps(run: Path) -> list[dict[str, Any]]:
+    path = run / "samples.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def run_once(row: str, work: Path, timeout: float, recover_timeout: float,
+             rng: random.Random) -> dict[str, Any]:
+    stack, sig = ROWS[row]
+    run = work / f"{row}-{time.time_ns()}"
+    run.mkdir(parents=True)
+    shm = Path("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir(),
+               f"hvd_resilient-bench-{uuid.uuid4().hex}")
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}:{os.environ.get('PYTHONPATH', '')}",
+               PATH=f"{VENV_BIN}:{os.environ.get('PATH', '')}",
+               HVD_RESILIENT_STORE_MEMORY_DIR=str(shm))
+    out: dict[str, Any] = {"row": row}
+    with open(run / "console.log", "wb") as log:
+        proc = subprocess.Popen(command(stack, run), env=env, stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, cwd=run)
+    try:
+        deadline = time.monotonic() + timeout
+        while not any(s["step"] >= HIT_AFTER_STEP for s in steps(run)):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                out["error"] = "never reached the step to hit at"
+                return out
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0, 0.5))
+        first = {s["pid"] for s in steps(run)}  # the processes that trained so far
+        victim = rng.choice(sorted(first))
+        t_hit = time.time()
+        os.kill(victim, sig)
+        recovered = None
+        give_up = min(deadline, time.monotonic() + recover_timeout)
+        while time.monotonic() < give_up:
+            after = [s for s in steps(run) if s["t"] > t_hit and s["pid"] != victim
+                     and (s["size"] == NP - 1 if stack == "inplace" else s["pid"] not in first)]
+            if after:
+                recovered = min(after, key=lambda s: s["t"])
+                break
+            if proc.poll() is not None:
+                break
+            time.sleep(0.02)
+        if recovered is None:
+            out["error"] = f"did not recover (launcher exit {proc.poll()})"
+            return out
+        before = [s for s in steps(run) if s["t"] <= t_hit]
+        last_before = max(s["step"] for s in before)
+        out["first_step_s"] = round(recovered["t"] - t_hit, 3)
+        out["redone"] = max(0, last_before + 1 - recovered["step"])
+        if stack == "inplace":
+            now = {s["pid"] for s in steps(run) if s["t"] > recovered["t"] - 1e-3}
+            out["kept_pids"] = bool(now) and now <= first
+        proc.wait(timeout=max(5.0, deadline - time.monotonic()))
+        out["exit"] = proc.returncode
+        return out
+    except subprocess.TimeoutExpired:
+        out["error"] = "did not finish"
+        return out
+    finally:
+        with_children = []
+        try:
+            with_children = [psutil.Process(proc.pid),
+                             *psutil.Process(proc.pid).children(recursive=True)]
+        except psutil.Error:
+            pass
+        for p in with_children:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        proc.wait()
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def p90(xs: list[float]) -> float:
+    ordered = sorted(xs)
+    return ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    ok = [r for r in runs if "first_step_s" in r]
+    out: dict[str, Any] = {"runs": len(runs), "recovered": len(ok),
+                           "errors": [r["error"] for r in runs if "error" in r]}
+    for m in ("first_step_s", "redone"):
+        xs = [r[m] for r in ok]
+        if xs:
+            out[m] = {"median": round(statistics.median(xs), 3), "p90": p90(xs), "max": max(xs)}
+    kept = [r["kept_pids"] for r in ok if "kept_pids" in r]
+    if kept:
+        out["kept_pids"] = f"{sum(kept)}/{len(kept)}"
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--only", default=",".join(ROWS), help="comma-separated rows")
+    p.add_argument("--timeout", type=float, default=180.0, help="per run")
+    p.add_argument("--recover-timeout", type=float, default=60.0,
+                   help="seconds after the signal a run may take to recover")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "inplace.json"))
+    a = p.parse_args()
+    rows = [r for r in a.only.split(",") if r]
+    unknown = set(rows) - set(ROWS)
+    if unknown:
+        p.error(f"unknown rows {sorted(unknown)}; rows: {', '.join(ROWS)}")
+    rng = random.Random(a.seed)
+    work = Path(tempfile.mkdtemp(prefix="hvdr-inplace-bench-"))
+    results: dict[str, Any] = {}
+    try:
+        for i in range(a.repeats):  # rows in turn: the machine's load drifts over all alike
+            for row in rows:
+                r = run_once(row, work, a.timeout, a.recover_timeout, rng)
+                print(f"{row} #{i + 1}: {r}", flush=True)
+                results.setdefault(row, []).append(r)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    summary = {row: summarize(runs) for row, runs in results.items()}
+    print("\n| row | recovered | kill -> first step, s (median / p90 / max) | redone steps "
+          "(median / max) | survivors kept their pids |")
+    print("| --- | --- | --- | --- | --- |")
+    for row, s in summary.items():
+        f, d = s.get("first_step_s"), s.get("redone")
+        print(f"| {row} | {s['recovered']}/{s['runs']} | "
+              + (f"{f['median']} / {f['p90']} / {f['max']}" if f else "-") + " | "
+              + (f"{d['median']} / {d['max']}" if d else "-") + f" | {s.get('kept_pids', '-')} |")
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                            capture_output=True, text=True).stdout.strip()
+    Path(a.out).write_text(json.dumps({
+        "date": time.strftime("%Y-%m-%d"), "commit": commit, "machine": platform.node(),
+        "cpus": os.cpu_count(), "np": NP, "summary": summary, "runs": results}, indent=1))
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
