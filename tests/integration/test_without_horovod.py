@@ -1,6 +1,7 @@
 """Horovod is optional: `pip install .` into a fresh venv that has no Horovod (and no mpi4py),
-then `hvd-resilient run --backend torchrun -- python examples/digits.py` trains, checkpoints,
-and survives a worker killed mid-run; the Horovod-only name says in one line what to install.
+then `hvd-resilient run --backend torchrun -- python examples/digits.py` (and `--backend
+inplace`) trains, checkpoints, and survives a worker killed mid-run; the Horovod-only name says
+in one line what to install.
 
 The venv is real (torch from this machine's wheel, everything else resolved by pip from the
 project's metadata), so a dependency that sneaks Horovod back in fails here.
@@ -71,6 +72,29 @@ def test_digits_trains_under_torchrun_survives_a_kill_and_checkpoints(
     assert_faults_fired(run, 1)
     evs = events(run / "events.jsonl")
     assert any(e["event"] == "resume" for e in evs), "the restarted workers did not resume"
+    done = [e for e in evs if e["event"] == "done"]
+    assert len(done) == 2 and len({e["params_sha256"] for e in done}) == 1, done
+    assert list((run / "checkpoints").glob("step-*/manifest.json"))
+
+
+def test_digits_recovers_in_place_from_a_kill_without_horovod(
+        bare_venv: Path, tmp_path: Path, jobs) -> None:
+    """The in-place backend needs nothing but torch: a worker of three killed mid-run, the two
+    others go on in their processes (no new `start`) and end identical."""
+    run = tmp_path / "run"
+    env = jobs.env(HVD_RESILIENT_FAULT="kill:rank=2:step=30")
+    env["PATH"] = f"{bare_venv / 'bin'}:{env['PATH']}"
+    env.pop("PYTHONPATH", None)
+    job = jobs.start([str(bare_venv / "bin/hvd-resilient"), "run", "--backend", "inplace",
+                      "--np", "3", "--run-id", "bare-ip", "--run-dir", str(run), "--",
+                      str(bare_venv / "bin/python"), str(ROOT / "examples/digits.py"),
+                      "--run-id", "bare-ip", "--run-dir", str(run), "--epochs", "3",
+                      "--commit-every", "5"], env=env, name="bare-inplace")
+    assert job.wait(600) == 0, job.output()[-3000:]
+    assert_faults_fired(run, 1)
+    evs = events(run / "events.jsonl")
+    assert len([e for e in evs if e["event"] == "start"]) == 3, "a worker was restarted"
+    assert [e["new_size"] for e in evs if e["event"] == "reset" and e["rank"] == 0] == [2]
     done = [e for e in evs if e["event"] == "done"]
     assert len(done) == 2 and len({e["params_sha256"] for e in done}) == 1, done
     assert list((run / "checkpoints").glob("step-*/manifest.json"))
