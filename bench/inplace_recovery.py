@@ -18,7 +18,8 @@ before the signal and trained again after it. `kept pids`: every worker of the r
 is a process of the first launch. Median, p90 and max over the runs; a run that does not recover
 within its timeout counts as failed.
 
-    python bench/inplace_recovery.py --repeats 5 --out bench/results/inplace.json
+    python bench/inplace_recovery.py --repeats 5 --vanilla-repeats 3 \
+        --out bench/results/inplace.json
 """
 
 from __future__ import annotations
@@ -136,14 +137,10 @@ def run_once(row: str, work: Path, timeout: float, recover_timeout: float,
         out["first_step_s"] = round(recovered["t"] - t_hit, 3)
         out["redone"] = max(0, last_before + 1 - recovered["step"])
         if stack == "inplace":
+            time.sleep(0.5)  # a few steps of every survivor
             now = {s["pid"] for s in steps(run) if s["t"] > recovered["t"] - 1e-3}
             out["kept_pids"] = bool(now) and now <= first
-        proc.wait(timeout=max(5.0, deadline - time.monotonic()))
-        out["exit"] = proc.returncode
-        return out
-    except subprocess.TimeoutExpired:
-        out["error"] = "did not finish"
-        return out
+        return out  # finishing is the tests' business: the run is ended here
     finally:
         with_children = []
         try:
@@ -182,6 +179,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--vanilla-repeats", type=int, default=3,
+                   help="plain torchrun's restart hangs here: fewer runs of a minute each")
     p.add_argument("--only", default=",".join(ROWS), help="comma-separated rows")
     p.add_argument("--timeout", type=float, default=180.0, help="per run")
     p.add_argument("--recover-timeout", type=float, default=60.0,
@@ -199,6 +198,8 @@ def main() -> int:
     try:
         for i in range(a.repeats):  # rows in turn: the machine's load drifts over all alike
             for row in rows:
+                if ROWS[row][0] == "vanilla" and i >= a.vanilla_repeats:
+                    continue
                 r = run_once(row, work, a.timeout, a.recover_timeout, rng)
                 print(f"{row} #{i + 1}: {r}", flush=True)
                 results.setdefault(row, []).append(r)

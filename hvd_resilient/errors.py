@@ -23,6 +23,19 @@ does not fit the model). The Horovod driver stops the whole job when a worker ex
 and the supervisor does not relaunch."""
 
 
+def one_line(e: BaseException | str, *, typed: bool = False, limit: int = 300) -> str:
+    """What went wrong as one bounded line, for a log line or an event: the message's
+    whitespace (newlines too) collapsed, the type when the message is empty; ``typed``: the
+    type, then the message's first line only (a collective's error carries a traceback)."""
+    if typed and isinstance(e, BaseException):
+        lines = str(e).strip().splitlines()
+        text = f"{type(e).__name__}: {lines[0].strip() if lines else ''}"
+    else:
+        text = " ".join(str(e).split()) or (type(e).__name__ if isinstance(e, BaseException)
+                                            else "")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def exit_now(code: int) -> NoReturn:
     """Ends this process at once with `code`, logs flushed: from a watcher thread, where
     SystemExit would end only the thread, and where the main thread may be stuck in a

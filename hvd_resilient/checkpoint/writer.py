@@ -25,6 +25,7 @@ from hvd_resilient.checkpoint.manager import (
 )
 from hvd_resilient.checkpoint.manifest import CheckpointInfo, step_dir
 from hvd_resilient.checkpoint.serialize import to_buffer
+from hvd_resilient.errors import one_line
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +44,6 @@ class _Job:
     run_id: str
     meta: dict[str, Any] | None
     stall_seconds: float
-
-
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split()) or type(e).__name__
-    return text if len(text) <= 300 else text[:297] + "..."
 
 
 class AsyncCheckpointWriter:
@@ -255,13 +251,13 @@ class AsyncCheckpointWriter:
                      {"step": job.step, "reason": "published already", "url": info.url})
                 return info
             self.failed += 1
-            emit(self.on_event, "checkpoint_failed", {"step": job.step, "error": _one_line(e)})
+            emit(self.on_event, "checkpoint_failed", {"step": job.step, "error": one_line(e)})
             return None
         except Exception as e:  # anything: a failed checkpoint must never stop training
             self.failed += 1
             logger.warning("checkpoint of step %d to %s failed: %s",
-                           job.step, self.manager.url, _one_line(e))
-            emit(self.on_event, "checkpoint_failed", {"step": job.step, "error": _one_line(e)})
+                           job.step, self.manager.url, one_line(e))
+            emit(self.on_event, "checkpoint_failed", {"step": job.step, "error": one_line(e)})
             return None
         self.saved += 1
         self.last_saved = info
@@ -281,5 +277,5 @@ class AsyncCheckpointWriter:
             try:
                 self.manager.prune()
             except Exception as e:
-                logger.warning("pruning %s failed: %s", self.manager.url, _one_line(e))
+                logger.warning("pruning %s failed: %s", self.manager.url, one_line(e))
         return info

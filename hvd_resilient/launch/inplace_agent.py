@@ -5,7 +5,9 @@ decides every membership (`backends/inplace/membership.py`).
 
 It is never a training rank, so the store outlives any worker. A worker that dies (or that its
 peers found silent, which the agent ends) is dropped from the next generation; the survivors
-go on in their processes. Fewer than ``--min-np`` live workers end the job (exit 1), so that
+go on in their processes. With ``--replace`` the agent starts a new worker for each one lost;
+it imports while the others train and joins at their next commit once it is up (a generation
+with it). Fewer than ``--min-np`` live workers end the job (exit 1), so that
 `hvd-resilient run` relaunches it from the durable checkpoint. SIGTERM and SIGINT are passed
 on to every worker (the trainer's preemption path: a final checkpoint, exit 75).
 """
@@ -31,6 +33,7 @@ from hvd_resilient.backends.inplace.membership import (
     PREFIX,
     evict_key,
     gen_key,
+    ready_key,
     want_key,
 )
 from hvd_resilient.data.loader import die_with_parent
@@ -42,8 +45,10 @@ POLL_S = 0.01
 
 class Agent:
     def __init__(self, cmd: Sequence[str], nproc: int, min_np: int, last_call_s: float,
-                 host: str = "127.0.0.1") -> None:
+                 host: str = "127.0.0.1", replace: bool = False) -> None:
         self.cmd, self.nproc, self.min_np, self.last_call_s = list(cmd), nproc, min_np, last_call_s
+        self.replace = replace
+        self.next_member = nproc
         self.server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=60))
         self.store = dist.PrefixStore(PREFIX, self.server)
@@ -81,6 +86,10 @@ class Agent:
             else:
                 self.failed[m] = rc
                 logger.warning("member %d exited (code %d)", m, rc)
+                if self.replace and not self.finished and not self._stopping:
+                    self._start(self.next_member)
+                    logger.info("member %d started in place of member %d", self.next_member, m)
+                    self.next_member += 1
 
     def _fence(self, members: list[int], why: str) -> None:
         for m in members:
@@ -115,17 +124,18 @@ class Agent:
         lost = [m for m in self.members if m not in self.alive]
         asked = self._asked()
         if not lost and not asked:
+            self._take_in()
             return None
         now = time.monotonic()
         if self._asked_since is None:
             self._asked_since = now
-        waiting = sorted(set(self.alive) - asked)
+        waiting = sorted(set(self.members) & set(self.alive) - asked)
         if waiting and now - self._asked_since < self.last_call_s:
             return None  # a live member still in its step: it fails at its next collective
         if waiting:
             self._fence(waiting, f"it did not ask for generation {self.generation + 1} within "
                                  f"{self.last_call_s:g}s")
-        members = sorted(asked)
+        members = sorted(asked | set(self._ready()))  # a replacement up by now joins too
         if len(members) < self.min_np:
             logger.error("%d live members, fewer than --min-np %d: ending the job so that it "
                          "restarts from its durable checkpoint", len(members), self.min_np)
@@ -133,6 +143,17 @@ class Agent:
             return 1
         self._publish(members)
         return None
+
+    def _ready(self) -> list[int]:
+        return [m for m in self.alive if m not in self.members
+                and self.store.check([ready_key(m)])]
+
+    def _take_in(self) -> None:
+        """Workers up and waiting (replacements) join in a generation of their own, which the
+        members move to at their next commit; never while a fault is being answered."""
+        ready = self._ready()
+        if ready:
+            self._publish(sorted([*self.members, *ready]))
 
     def _forward(self, signum: int, _frame: object) -> None:
         self._stopping = True
@@ -164,6 +185,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--last-call", type=float, default=5.0,
                    help="seconds a live worker may take to ask for the next generation before "
                         "it is ended (it normally asks within milliseconds of a fault)")
+    p.add_argument("--replace", action="store_true",
+                   help="start a new worker for each one lost; it joins once it is up")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the worker command")
     a = p.parse_args(argv)
     if a.cmd[:1] == ["--"]:
@@ -180,7 +203,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse(sys.argv[1:] if argv is None else argv)
     log.setup(rank_fn=lambda: 0)  # the agent speaks as rank 0 does
-    return Agent(a.cmd, a.nproc, a.min_np, a.last_call).run()
+    return Agent(a.cmd, a.nproc, a.min_np, a.last_call, replace=a.replace).run()
 
 
 if __name__ == "__main__":

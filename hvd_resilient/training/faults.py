@@ -4,7 +4,9 @@ A plan comes from one environment variable, read once by the entry point and pas
 `HVD_RESILIENT_FAULT="kill:rank=1:step=50"` (also `raise:` for a Python exception and
 `abort:` for an out-of-memory-style abort, and `stall:rank=0:step=30:seconds=6` for a rank
 that is alive but busy in Python, which must NOT be taken for a failure; `hang:` for a rank
-that never ends its step, `freeze:` for one that stops itself with SIGSTOP; `slow:rank=1:step=20:
+that never ends its step, `freeze:` for one that stops itself with SIGSTOP, `sever:` for a
+collective failure without a death (a `RuntimeError` as Gloo raises it on a lost connection:
+the in-place backend forms a new generation of the same members); `slow:rank=1:step=20:
 seconds=0.05` for a straggler: the process that is rank 1 at step 20 sleeps that long in every
 step from then on, whatever its rank after a reset, as a slow machine would). `at=upload` fires in
 the checkpoint writer instead, once the files of that step's checkpoint are stored and before
@@ -24,12 +26,17 @@ from pathlib import Path
 from hvd_resilient.errors import ConfigError
 
 ENV = "HVD_RESILIENT_FAULT"
-KINDS = ("kill", "raise", "abort", "stall", "hang", "freeze", "slow")
+KINDS = ("kill", "raise", "abort", "stall", "hang", "freeze", "slow", "sever")
 MOMENTS = ("step", "upload")
 
 
 class InjectedFault(RuntimeError):
     """Raised by a `raise:` fault; not caught by the library, so the worker dies of it."""
+
+
+class SeveredCollective(RuntimeError):
+    """Raised by a `sever:` fault: reads as a Gloo connection loss (`Connection reset by
+    peer`), which a backend that recovers in place recovers from; the process lives on."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +105,9 @@ class FaultPlan:
             elif f.kind == "freeze":
                 os.kill(os.getpid(), signal.SIGSTOP)  # as a paused VM: the peers' case
                 continue
+            elif f.kind == "sever":
+                raise SeveredCollective(f"injected at rank {rank} step {step}: Connection reset "
+                                        "by peer")
             raise InjectedFault(f"injected fault at rank {rank} step {step}")
 
     def _maybe_slow(self, i: int, f: Fault, rank: int, step: int, at: str) -> None:

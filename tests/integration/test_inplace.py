@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.exactly_once import assert_exactly_once
-from tests.support.jobs import PYTHON, events
+from tests.support.jobs import PYTHON, events, wait_for
 from tests.support.paths import SCRIPTS
 from tests.support.runs import assert_faults_fired
 
@@ -29,12 +29,12 @@ RECIPE = ["--recipe", "adamw-warmup-cosine", "--recipe-grad-accum", "4",
 
 
 def agent_job(jobs, run: Path, nproc: int, fault: str, max_steps: int, name: str,
-              *agent_args: str):
+              *agent_args: str, commit_every: int = COMMIT_EVERY, extra: tuple = ()):
     cmd = [PYTHON, "-m", "hvd_resilient.launch.inplace_agent", "--nproc", str(nproc),
            *agent_args, "--", PYTHON, JOB, *RECIPE, "--samples", "--run-id", name,
-           "--run-dir", str(run), "--batch-size", "8", "--commit-every", str(COMMIT_EVERY),
+           "--run-dir", str(run), "--batch-size", "8", "--commit-every", str(commit_every),
            "--epochs", "1000", "--max-steps", str(max_steps), "--checkpoint-every", "1000",
-           "--no-store-memory-tier", "--step-time", "0.02"]
+           "--no-store-memory-tier", "--step-time", "0.02", *extra]
     return jobs.start(cmd, env=jobs.env(HVD_RESILIENT_FAULT=fault), name=name)
 
 
@@ -96,3 +96,59 @@ def test_fewer_workers_than_min_np_end_the_job_for_a_restart(tmp_path, jobs):
     assert not trainer_done(run), "nobody may finish a job that ended"
     assert not [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()
                 if '"reset"' in x], "no generation formed below --min-np"
+
+
+def test_fifty_generations_in_one_process_leak_no_thread_fd_or_memory(tmp_path, jobs):
+    """50 collective failures without a death (`sever:`, as Gloo raises a lost connection),
+    each answered by a new generation of the same three members: after the first few, every
+    reset finds the same threads and descriptors and no memory growth to speak of."""
+    run = tmp_path / "run"
+    severs = ",".join(f"sever:rank={s % 3}:step={s}" for s in range(10, 60))
+    job = agent_job(jobs, run, 3, severs, 70, "inplace-50", commit_every=1)
+    assert job.wait(360) == 0, job.output()[-3000:]
+    evs = events(run / "events.jsonl")
+    resets = [e for e in evs if e["event"] == "reset" and e["rank"] == 0]
+    assert [e["generation"] for e in resets] == list(range(1, 51)), resets[-3:]
+    assert {e["new_size"] for e in resets} == {3}
+    early, late = resets[4], resets[-1]
+    assert late["threads"] == early["threads"], (early, late)
+    assert late["fds"] == early["fds"], (early, late)
+    assert late["rss_bytes"] - early["rss_bytes"] < 32 * 2**20, (early, late)
+    done = trainer_done(run)
+    assert sorted(done) == [0, 1, 2]
+    assert len({json.dumps(d["digests"], sort_keys=True) for d in done.values()}) == 1
+    assert assert_exactly_once(run, N_SAMPLES) >= 1
+
+
+def test_a_replacement_joins_at_a_commit_and_gets_the_state(tmp_path, jobs):
+    """--replace: the agent starts a new worker for the one killed; it imports while the two
+    others train on, and joins them at their next commit once it is up: the members move to
+    the new generation without restoring anything, and the sync sends it every component."""
+    run = tmp_path / "run"
+    stop = tmp_path / "stop"
+    job = agent_job(jobs, run, 3, "kill:rank=1:step=13", 100_000, "inplace-replace",
+                    "--replace", extra=["--stop-file", str(stop)])
+
+    def resets() -> list[dict]:
+        return [e for e in events(run / "events.jsonl") if e["event"] == "reset"
+                and e["rank"] == 0]
+
+    wait_for(lambda: any(e.get("joined") for e in resets()), 240, "the replacement's join", job)
+    seen = len([e for e in events(run / "events.jsonl") if e["event"] == "commit"])
+    wait_for(lambda: len([e for e in events(run / "events.jsonl") if e["event"] == "commit"])
+             >= seen + 2, 120, "two commits at size 3", job)
+    stop.touch()
+    assert job.wait(180) == 0, job.output()[-3000:]
+    evs = events(run / "events.jsonl")
+    assert [(e["new_size"], bool(e.get("joined"))) for e in resets()] == [(2, False), (3, True)]
+    starts = [e for e in evs if e["event"] == "start"]
+    assert len(starts) == 4, "three at launch and one replacement, nothing restarted"
+    assert len([e for e in evs if e["event"] == "restore" and e["rank"] == 0]) == 1, \
+        "the join restored something"
+    checks = [e for e in evs if e["event"] == "sync_check"]
+    assert {"model", "optimizer", "sampler", "scheduler", "ema"} <= set(checks[-1]["sent"]), \
+        checks[-1]
+    done = trainer_done(run)
+    assert sorted(done) == [0, 1, 2]
+    assert len({json.dumps(d["digests"], sort_keys=True) for d in done.values()}) == 1, done
+    assert assert_exactly_once(run, N_SAMPLES) >= 1

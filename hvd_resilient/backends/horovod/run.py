@@ -26,16 +26,11 @@ from hvd_resilient.backends.threads import share_cores
 from hvd_resilient.detect import Detectors, hangup, progress
 from hvd_resilient.detect.gloo_watch import GlooWatch
 from hvd_resilient.detect.silent_peers import SilentPeers
-from hvd_resilient.errors import HUNG_EXIT_CODE, exit_now
+from hvd_resilient.errors import HUNG_EXIT_CODE, exit_now, one_line
 from hvd_resilient.log import get
 
 log = get("elastic")
 T = TypeVar("T")
-
-
-def _one_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
 
 
 HEARTBEAT_TIMEOUT_S = 1.5
@@ -100,14 +95,14 @@ def run(func: Callable[..., T] | None = None, *,
                         detectors.disarm()
                         hung_up = watch.detected_at
                         state.events.emit(
-                            "failure_detected", error=_one_line(e),
+                            "failure_detected", error=one_line(e, typed=True),
                             peer_hangup=watch.detail or None,
                             detect_seconds=round(detected - hung_up, 6) if hung_up else None,
                         )
                         if hung_up:
                             detected = hung_up
                         log.warning("collective failed (%s); restoring the last commit",
-                                    _one_line(e))
+                                    one_line(e, typed=True))
                         state.restore()
                     skip_sync = False
                 except HostsUpdatedInterrupt as e:

@@ -12,11 +12,14 @@ survivor). The step loop goes on; the sampler re-plans the rest of the epoch for
 from __future__ import annotations
 
 import datetime
+import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -24,13 +27,13 @@ from hvd_resilient.backends import determinism
 from hvd_resilient.backends.base import Backend
 from hvd_resilient.backends.inplace.grads import GradientAverager
 from hvd_resilient.backends.inplace.membership import Fenced, Membership
-from hvd_resilient.backends.inplace.state import InPlaceState
+from hvd_resilient.backends.inplace.state import GenerationChanged, InPlaceState
 from hvd_resilient.backends.torchrun.collectives import TorchDistCollectives
 from hvd_resilient.detect import Detectors, hangup, progress
 from hvd_resilient.detect.gloo_watch import GlooWatch
 from hvd_resilient.detect.heartbeat import Peer
 from hvd_resilient.detect.silent_peers import SilentPeers
-from hvd_resilient.errors import HUNG_EXIT_CODE, HvdResilientError, exit_now
+from hvd_resilient.errors import HUNG_EXIT_CODE, HvdResilientError, exit_now, one_line
 from hvd_resilient.log import get
 
 log = get("inplace")
@@ -47,6 +50,12 @@ def collective_failure(e: BaseException) -> bool:
     if dist_error is not None and isinstance(e, dist_error):
         return True
     return isinstance(e, RuntimeError) and any(m in str(e) for m in _GLOO_MARKERS)
+
+
+def _resources() -> dict[str, int]:
+    """What a generation could leak, counted at every reset (50 in a row must stay flat)."""
+    return {"threads": threading.active_count(), "fds": len(os.listdir("/proc/self/fd")),
+            "rss_bytes": psutil.Process().memory_info().rss}
 
 
 class GenerationsFailed(HvdResilientError):
@@ -85,7 +94,8 @@ class InPlaceBackend(Backend):
     def init(self, comm: Any | None = None) -> None:
         determinism.apply(determinism.enabled())
         m = self.membership = Membership(self.generation_timeout_s)
-        m.wait_beyond(-1)
+        m.announce()
+        m.wait_beyond(-1, joining=True)
         m.form(self.pg_timeout)
 
     def rank(self) -> int:
@@ -105,7 +115,16 @@ class InPlaceBackend(Backend):
 
     def make_state(self, model: Any, optimizer: Any, **kwargs: Any) -> Any:
         return InPlaceState(model, optimizer, rank=self.rank, size=self.size,
-                            collectives=self.collectives, **kwargs)
+                            collectives=self.collectives,
+                            generation_changed=self._generation_changed, **kwargs)
+
+    def _generation_changed(self) -> bool:
+        """Rank 0's look at the store, the same on every rank (a collective)."""
+        m = self.membership
+        flag = torch.tensor([1 if self.rank() == 0 and m is not None and m.changed() else 0],
+                            dtype=torch.int32)
+        dist.broadcast(flag, src=0)
+        return bool(flag.item())
 
     def run(self, fn: Callable[[Any], None], state: Any) -> None:
         m = self.membership
@@ -115,6 +134,10 @@ class InPlaceBackend(Backend):
             self.heartbeat_timeout_s, state.events, machine=socket.gethostname(),
             slot=str(m.me), coordinator=None, evict=_AgentEvict(m, watch.trip)))
         failed_in_a_row, last_commit = 0, state.last_commit_step
+        if m.generation > 0 and m.announced_at is not None:  # a replacement, taken in now
+            state.events.emit("joined", member=m.me, generation=m.generation,
+                              ready_at=round(m.announced_at, 6),
+                              waited_s=round(time.time() - m.announced_at, 6))
         try:
             while True:
                 try:
@@ -128,6 +151,10 @@ class InPlaceBackend(Backend):
                     detectors.disarm()  # nobody leaves while a peer still watches
                     dist.barrier()
                     return
+                except GenerationChanged:
+                    detectors.disarm()
+                    dist.barrier()  # every rank stopped watching before anyone hangs up
+                    self._move_to_newest(state)
                 except Exception as e:
                     if not collective_failure(e):
                         raise
@@ -140,7 +167,7 @@ class InPlaceBackend(Backend):
                     if failed_in_a_row > MAX_FAILED_GENERATIONS:
                         raise GenerationsFailed(
                             f"{failed_in_a_row} generations in a row failed before a commit; "
-                            f"last: {type(e).__name__}: {str(e).splitlines()[0][:200]}") from e
+                            f"last: {one_line(e, typed=True)}") from e
                     self._next_generation(state, e, detected, watch)
         finally:
             detectors.disarm()
@@ -151,8 +178,7 @@ class InPlaceBackend(Backend):
         assert m is not None
         old_gen, old_size = m.generation, self.size()
         hung_up = watch.detected_at
-        state.events.emit("failure_detected", error=f"{type(error).__name__}: "
-                          f"{str(error).strip().splitlines()[0][:200] if str(error) else ''}",
+        state.events.emit("failure_detected", error=one_line(error, typed=True),
                           peer_hangup=watch.detail or None, generation=old_gen,
                           detect_seconds=round(detected - hung_up, 6) if hung_up else None)
         with progress.section("reset", None):
@@ -167,9 +193,28 @@ class InPlaceBackend(Backend):
             m.form(self.pg_timeout)
         state.reset_done()
         state.events.emit("reset", old_size=old_size, new_size=self.size(),
-                          generation=m.generation, seconds=round(time.time() - detected, 6))
+                          generation=m.generation, seconds=round(time.time() - detected, 6),
+                          **_resources())
         if self.rank() == 0:
             log.info("generation %d: world size %d -> %d", m.generation, old_size, self.size())
+
+    def _move_to_newest(self, state: Any) -> None:
+        """A worker joins: the members leave their generation at the same commit (no fault,
+        nothing restored) for the newest one, and the sync sends the newcomer the state."""
+        m = self.membership
+        assert m is not None
+        t0, old_size = time.time(), self.size()
+        with progress.section("reset", None):
+            dist.destroy_process_group()
+            m.wait_beyond(m.generation)
+            m.form(self.pg_timeout)
+        state.reset_done()
+        state.events.emit("reset", old_size=old_size, new_size=self.size(),
+                          generation=m.generation, joined=True,
+                          seconds=round(time.time() - t0, 6), **_resources())
+        if self.rank() == 0:
+            log.info("generation %d: world size %d -> %d (a worker joined)", m.generation,
+                     old_size, self.size())
 
     def allgather_object(self, obj: Any) -> list[Any]:
         return self.collectives.allgather_object(obj)

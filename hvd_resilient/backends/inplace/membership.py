@@ -5,8 +5,11 @@ Keys (all under `PREFIX`): ``gen`` is the newest generation's number; ``gen/<g>`
 asks for the next one). The agent publishes the next generation with the members that asked,
 once every live member has (a dead one is reaped in milliseconds), or after its last call,
 ending the ones that did not ask. ``evict/<member>`` names a member its peers found silent
-(frozen, cut off): the agent ends it. ``pg/<g>/`` holds generation g's process-group keys, so
-a new group never reads a dead generation's addresses.
+(frozen, cut off): the agent ends it. ``ready/<member>`` says a worker is up and waits to be
+taken in (a replacement the agent started): the agent publishes a generation with it, which
+the members notice at their next step (rank 0 reads, one broadcast) and move to at a commit.
+``pg/<g>/`` holds generation g's process-group keys, so a new group never reads a dead
+generation's addresses.
 
 Member ids are the agent's, never reused: a worker started later (a replacement) gets a new
 one, and ranks are positions in a generation's member list.
@@ -42,6 +45,10 @@ def evict_key(member: int) -> str:
     return f"evict/{member}"
 
 
+def ready_key(member: int) -> str:
+    return f"ready/{member}"
+
+
 def group_prefix(g: int) -> str:
     return f"{PREFIX}pg/{g}/"
 
@@ -63,23 +70,33 @@ class Membership:
         self.store = dist.PrefixStore(PREFIX, self.base)
         self.generation = -1
         self.members: list[int] = []
+        self.announced_at: float | None = None
+
+    def announce(self) -> None:
+        """Up and waiting to be taken in (what the agent waits for before it lets a
+        replacement join)."""
+        self.announced_at = time.time()
+        self.store.set(ready_key(self.me), "1")
 
     def newest(self) -> int:
         return int(self.store.get("gen"))
 
-    def wait_beyond(self, g: int) -> int:
+    def wait_beyond(self, g: int, *, joining: bool = False) -> int:
         """The first generation after ``g`` that holds this worker; raises `Fenced` when one
-        was published without it, TimeoutError when none comes in time."""
+        was published without it (``joining``: a worker not taken in yet waits on through
+        those), TimeoutError when none comes in time."""
         deadline = time.monotonic() + self.timeout_s
         while True:
             newest = self.newest()
             if newest > g:
                 members = json.loads(self.store.get(gen_key(newest)))
-                if self.me not in members:
+                if self.me in members:
+                    self.generation, self.members = newest, members
+                    return newest
+                if not joining:
                     raise Fenced(f"generation {newest} ({members}) goes on without member "
                                  f"{self.me}")
-                self.generation, self.members = newest, members
-                return newest
+                g = newest
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no generation after {g} within {self.timeout_s:.0f}s")
             time.sleep(POLL_S)

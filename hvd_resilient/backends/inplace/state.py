@@ -19,6 +19,11 @@ from hvd_resilient.state.core import StateCore
 log = get("state")
 
 
+class GenerationChanged(Exception):
+    """Raised by `commit()` on every rank at the same step when a newer generation is
+    published (a worker joins): the backend moves the members to it, nothing is restored."""
+
+
 class InPlaceState(StateCore):
     def __init__(
         self,
@@ -28,6 +33,7 @@ class InPlaceState(StateCore):
         rank: Callable[[], int],
         size: Callable[[], int],
         collectives: Collectives,
+        generation_changed: Callable[[], bool] = lambda: False,
         sampler: Any | None = None,
         scheduler: Any | None = None,
         seed: int = 0,
@@ -40,6 +46,8 @@ class InPlaceState(StateCore):
         self.sampler, self.scheduler = sampler, scheduler
         self._rank_fn, self._size_fn = rank, size
         self._collectives = collectives
+        self._generation_changed = generation_changed
+        self._move = False
         for k, v in extras.items():
             setattr(self, k, v)
         self.step = self.samples = 0
@@ -75,6 +83,9 @@ class InPlaceState(StateCore):
         self.last_commit_step = self.step
         if self._rank() == 0:
             self.events.emit("commit", seconds=round(time.perf_counter() - t0, 6))
+        if self._move:
+            self._move = False
+            raise GenerationChanged()
 
     def restore(self) -> None:
         before = self.step
@@ -112,8 +123,10 @@ class InPlaceState(StateCore):
         self.save()
 
     def host_change_pending(self) -> bool:
-        """Joins are not taken in place yet: a generation changes only on a fault."""
-        return False
+        """True on every rank when a newer generation waits (a worker joins): commit now, and
+        the move follows. One one-element broadcast a step (rank 0 reads the store)."""
+        self._move = self._move or self._generation_changed()
+        return self._move
 
     def load_checkpoint_state(self, sd: dict[str, Any]) -> None:
         """Rank 0 at start; the first sync spreads it."""

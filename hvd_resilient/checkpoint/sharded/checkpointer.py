@@ -37,6 +37,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from hvd_resilient import errors
 from hvd_resilient.checkpoint.digest import new_hasher
 from hvd_resilient.checkpoint.manager import (
     CheckpointError,
@@ -68,8 +69,7 @@ def one_line(e: BaseException) -> str:
         first = next(iter(failures.values()))
         e = first[0] if isinstance(first, tuple) else first
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    text = lines[0] if lines else type(e).__name__
-    return text if len(text) <= 300 else text[:297] + "..."
+    return errors.one_line(lines[0] if lines else type(e).__name__)
 
 
 class ShardedCheckpointer:

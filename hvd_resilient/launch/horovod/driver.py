@@ -42,7 +42,7 @@ from typing import Any
 
 from hvd_resilient.backends.horovod import compat
 from hvd_resilient.backends.horovod import slots as slot_hosts
-from hvd_resilient.errors import FATAL_EXIT_CODE, LaunchError
+from hvd_resilient.errors import FATAL_EXIT_CODE, LaunchError, one_line
 from hvd_resilient.launch.horovod import evict
 from hvd_resilient.launch.horovod import standby as standby_mod
 
@@ -257,8 +257,7 @@ class _Run:
 def _one_line(e: BaseException | str) -> str:
     from hvd_resilient.masking import mask_text
 
-    text = " ".join(str(e).split()) or (type(e).__name__ if isinstance(e, BaseException) else "")
-    return mask_text(text)
+    return mask_text(one_line(e, limit=10_000))
 
 
 def _events() -> Any:
