@@ -6,6 +6,10 @@ after a random extra 0-0.5 s, hits one random worker from outside (mid-step, mid
 
 - `inplace_kill` / `inplace_freeze`: `hvd-resilient run --backend inplace` (the in-place agent),
   SIGKILL / SIGSTOP;
+- `inplace_join`: the agent with `--replace`, SIGKILL: the same recovery, then the replacement
+  it starts joins; timed from the moment it was up (its `joined` event's `ready_at`) to the
+  first step at 4 again (`join_first_step_s`), and each survivor's longest gap between two
+  step ends around the join (`join_stall_s`: the commit, the move, the sync, one step);
 - `torchrun_kill`: ours under torchrun, exactly what `hvd-resilient run --backend torchrun`
   starts (warm forks, the memory tier): every worker restarts and resumes from the tier;
 - `vanilla_torchrun_kill`: plain `torchrun` and DDP as the PyTorch docs write it
@@ -53,6 +57,7 @@ HIT_AFTER_STEP = 20
 ROWS = {
     "inplace_kill": ("inplace", signal.SIGKILL),
     "inplace_freeze": ("inplace", signal.SIGSTOP),
+    "inplace_join": ("inplace-replace", signal.SIGKILL),
     "torchrun_kill": ("torchrun", signal.SIGKILL),
     "vanilla_torchrun_kill": ("vanilla", signal.SIGKILL),
 }
@@ -68,9 +73,12 @@ def command(stack: str, run: Path) -> list[str]:
     train = [sys.executable, str(JOB), "--recipe", "adamw-warmup-cosine",
              "--recipe-clip-grad-norm", "1.0", "--samples", "--run-id", run.name,
              "--run-dir", str(run), "--batch-size", "8", "--commit-every", "5",
-             "--epochs", "1000", "--max-steps", "80", "--checkpoint-every", "1000",
+             "--epochs", "1000", "--max-steps", "2000", "--checkpoint-every", "1000",
              "--step-time", "0.02"]
     ckpt = f"file://{run}/ckpt"
+    if stack == "inplace-replace":  # the agent itself: `run` has no --replace (yet)
+        return [sys.executable, "-m", "hvd_resilient.launch.inplace_agent", "--nproc", str(NP),
+                "--replace", "--", *train, "--checkpoint-url", ckpt]
     if stack == "inplace":
         return [str(VENV_BIN / "hvd-resilient"), "run", "--backend", "inplace", "--np",
                 str(NP), "--run-id", run.name, "--run-dir", str(run), "--checkpoint", ckpt,
@@ -79,7 +87,7 @@ def command(stack: str, run: Path) -> list[str]:
 
     if stack == "vanilla":
         return [str(VENV_BIN / "torchrun"), "--standalone", "--nproc-per-node", str(NP),
-                "--max-restarts", "3", str(VANILLA), "--run-dir", str(run), "--steps", "80"]
+                "--max-restarts", "3", str(VANILLA), "--run-dir", str(run), "--steps", "2000"]
     return torchrun_command(NP, "1", f"127.0.0.1:{free_port()}", 3, run.name,
                             [*train, "--checkpoint-url", ckpt])
 
@@ -122,7 +130,8 @@ def run_once(row: str, work: Path, timeout: float, recover_timeout: float,
         give_up = min(deadline, time.monotonic() + recover_timeout)
         while time.monotonic() < give_up:
             after = [s for s in steps(run) if s["t"] > t_hit and s["pid"] != victim
-                     and (s["size"] == NP - 1 if stack == "inplace" else s["pid"] not in first)]
+                     and (s["size"] == NP - 1 if stack.startswith("inplace")
+                          else s["pid"] not in first)]
             if after:
                 recovered = min(after, key=lambda s: s["t"])
                 break
@@ -140,6 +149,8 @@ def run_once(row: str, work: Path, timeout: float, recover_timeout: float,
             time.sleep(0.5)  # a few steps of every survivor
             now = {s["pid"] for s in steps(run) if s["t"] > recovered["t"] - 1e-3}
             out["kept_pids"] = bool(now) and now <= first
+        if stack == "inplace-replace":
+            out.update(measure_join(run, first - {victim}, give_up, proc))
         return out  # finishing is the tests' business: the run is ended here
     finally:
         with_children = []
@@ -157,6 +168,36 @@ def run_once(row: str, work: Path, timeout: float, recover_timeout: float,
         shutil.rmtree(shm, ignore_errors=True)
 
 
+def measure_join(run: Path, survivors: set[int], give_up: float,
+                 proc: subprocess.Popen) -> dict[str, Any]:
+    def joined() -> dict[str, Any] | None:
+        path = run / "events.jsonl"
+        for line in path.read_text().splitlines() if path.exists() else []:
+            e = json.loads(line)
+            if e["event"] == "joined":
+                return e
+        return None
+
+    while time.monotonic() < give_up and proc.poll() is None:
+        j = joined()
+        back = [s for s in steps(run) if s["size"] == NP] if j else []
+        if j and back and max(s["t"] for s in back) > j["ready_at"] and any(
+                s["t"] > j["ready_at"] and s["pid"] in survivors for s in back):
+            time.sleep(0.5)  # a few steps at the new size
+            rows = steps(run)
+            at_np = [s for s in rows if s["size"] == NP and s["t"] > j["ready_at"]]
+            stall = 0.0
+            for pid in survivors:
+                mine = sorted(s["t"] for s in rows if s["pid"] == pid
+                              and s["t"] > j["ready_at"] - 2.0)
+                gaps = [b - a for a, b in zip(mine, mine[1:], strict=False)]
+                stall = max(stall, max(gaps, default=0.0))
+            return {"join_first_step_s": round(min(s["t"] for s in at_np) - j["ready_at"], 3),
+                    "join_stall_s": round(stall, 3)}
+        time.sleep(0.05)
+    return {"join_error": "the replacement never joined"}
+
+
 def p90(xs: list[float]) -> float:
     ordered = sorted(xs)
     return ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]
@@ -166,8 +207,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     ok = [r for r in runs if "first_step_s" in r]
     out: dict[str, Any] = {"runs": len(runs), "recovered": len(ok),
                            "errors": [r["error"] for r in runs if "error" in r]}
-    for m in ("first_step_s", "redone"):
-        xs = [r[m] for r in ok]
+    for m in ("first_step_s", "redone", "join_first_step_s", "join_stall_s"):
+        xs = [r[m] for r in ok if m in r]
         if xs:
             out[m] = {"median": round(statistics.median(xs), 3), "p90": p90(xs), "max": max(xs)}
     kept = [r["kept_pids"] for r in ok if "kept_pids" in r]
@@ -207,13 +248,18 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     summary = {row: summarize(runs) for row, runs in results.items()}
     print("\n| row | recovered | kill -> first step, s (median / p90 / max) | redone steps "
-          "(median / max) | survivors kept their pids |")
-    print("| --- | --- | --- | --- | --- |")
+          "(median / max) | survivors kept their pids | join: ready -> first step, s | "
+          "join: survivors' stall, s |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+
+    def cell(x: dict[str, Any] | None) -> str:
+        return f"{x['median']} / {x['p90']} / {x['max']}" if x else "-"
+
     for row, s in summary.items():
-        f, d = s.get("first_step_s"), s.get("redone")
-        print(f"| {row} | {s['recovered']}/{s['runs']} | "
-              + (f"{f['median']} / {f['p90']} / {f['max']}" if f else "-") + " | "
-              + (f"{d['median']} / {d['max']}" if d else "-") + f" | {s.get('kept_pids', '-')} |")
+        d = s.get("redone")
+        print(f"| {row} | {s['recovered']}/{s['runs']} | {cell(s.get('first_step_s'))} | "
+              + (f"{d['median']} / {d['max']}" if d else "-") + f" | {s.get('kept_pids', '-')} | "
+              f"{cell(s.get('join_first_step_s'))} | {cell(s.get('join_stall_s'))} |")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                             capture_output=True, text=True).stdout.strip()

@@ -36,7 +36,7 @@ DEFAULTS: dict[str, Any] = {
     "backend": "horovod", "np": 2, "max_restarts": 3, "gloo_timeout_seconds": 30,
     "run_id": "run", "ssh_port": 22, "elastic_timeout": 600, "torchrun_restarts": 3,
     "blacklist_cooldown_range": [10, 30], "nnodes": "1", "rdzv_endpoint": "127.0.0.1:29400",
-    "slot_hosts": True, "fresh_start": False, "dry_run": False,
+    "slot_hosts": True, "fresh_start": False, "dry_run": False, "replace": False,
 }
 
 
@@ -126,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="before the first launch only, set the checkpoints at --checkpoint "
                         "aside (superseded-<UTC time>) so that training starts from step 0; "
                         "relaunches resume as usual (default: resume from them)")
+    p.add_argument("--replace", action="store_true", default=None,
+                   help="inplace: start a new worker for each one lost; it joins the others "
+                        "at their next commit once it is up (default: train on without it)")
     p.add_argument("--network-interface", metavar="NIC",
                    help="horovod: the interface Gloo uses, e.g. eth0; lo on one machine "
                         "(default: Horovod finds a common one across hosts)")
@@ -254,6 +257,9 @@ def check_sizes(opts: dict[str, Any]) -> None:
     np, lo, hi = opts["np"], opts.get("min_np"), opts.get("max_np")
     if np < 1:
         raise ConfigError(f"run: --np must be >= 1, got {np}")
+    if opts.get("replace") and opts["backend"] != "inplace":
+        raise ConfigError("run: --replace is the inplace backend's (horovod readmits a failed "
+                          "host after its cooldown; torchrun restarts every worker)")
     if opts["backend"] == "inplace" and opts.get("hosts"):
         raise ConfigError("run: --backend inplace runs its workers on this machine for now; "
                           "drop --hosts (or use --backend horovod for several hosts)")
@@ -307,7 +313,8 @@ def launcher_command(opts: dict[str, Any], env_names: list[str]) -> list[str]:
     if opts["backend"] == "mpi":
         return mpirun_command(opts["np"], hosts, env_names, train)
     if opts["backend"] == "inplace":
-        return inplace_command(opts["np"], opts.get("min_np") or 1, train)
+        return inplace_command(opts["np"], opts.get("min_np") or 1, train,
+                               replace=bool(opts.get("replace")))
     if opts["backend"] == "torchrun":
         return torchrun_command(
             opts["np"], opts["nnodes"], opts["rdzv_endpoint"], opts["torchrun_restarts"],

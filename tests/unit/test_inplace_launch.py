@@ -26,8 +26,11 @@ def test_run_builds_the_agent_command_line_with_its_sizes():
     cmd = command("--backend", "inplace", "--np", "4", "--min-np", "2")
     line = " ".join(cmd)
     assert "-m hvd_resilient.launch.inplace_agent --nproc 4 --min-np 2 -- python t.py" in line
+    assert "--replace --" in " ".join(command("--backend", "inplace", "--replace"))
     with pytest.raises(ConfigError, match="runs its workers on this machine"):
         command("--backend", "inplace", "--hosts", "h1:2")
+    with pytest.raises(ConfigError, match="--replace is the inplace backend's"):
+        command("--backend", "torchrun", "--replace")
 
 
 def test_workers_find_the_backend_from_the_agents_variable():
