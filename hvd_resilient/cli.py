@@ -44,9 +44,10 @@ def _plan(argv: list[str]) -> int:
 COMMANDS = {
     "report": (_report, "goodput, failures/MTTR, checkpoint costs, Young/Daly from a run folder"),
     "plan": (_plan, "simulate a job at scale: ETTR per strategy, best commit/checkpoint intervals"),
-    "run": (_run, "launch a job with horovodrun or mpirun and restart it after failures"),
+    "run": (_run, "launch a job with horovodrun, mpirun, torchrun or the in-place agent, and "
+                  "restart it after failures"),
     "demo": (_demo, "2 min: a small GPT trains elastically here through a fault and a resize"),
-    "ckpt": (_ckpt, "list | show | verify | prune durable checkpoints at a URL"),
+    "ckpt": (_ckpt, "list | show | verify | prune | supersede durable checkpoints at a URL"),
 }
 
 

@@ -1,4 +1,4 @@
-"""`horovodrun`, taught two things: `python -m hvd_resilient.launch.horovod.driver ARGS`.
+"""`horovodrun`, taught seven things: `python -m hvd_resilient.launch.horovod.driver ARGS`.
 
 Takes exactly `horovodrun`'s arguments and runs Horovod's own launcher in this process, after
 teaching it
