@@ -6,18 +6,21 @@ within milliseconds. Gloo itself only notices on the connection an operation is 
 survivor waiting on a live peer sits out the whole Gloo timeout (30 s by default). This watcher
 polls the hang-up condition of every Gloo connection of this process from a thread, and on the
 first one shuts all of this process's Gloo connections down: the operation it is blocked in fails
-at once (Horovod turns that into `HorovodInternalError`), and the peers it was connected to see
+at once (Horovod turns that into `HorovodInternalError`, torch.distributed raises a
+RuntimeError), and the peers it was connected to see
 hang-ups of their own, so the news crosses the whole job in one hop.
 
-Gloo closes its listening sockets once its mesh is connected, and Horovod does not expose the
-connections, so they are found by their endpoints (`tcp_sockets`): after every `hvd.init()` each
-rank publishes its established connections, and a connection whose mirror image another rank
-holds joins two workers of this job. The driver, the object store and anything else outside the
-job are never touched.
+Gloo closes its listening sockets once its mesh is connected, and neither Horovod nor
+torch.distributed exposes the connections, so they are found by their endpoints
+(`tcp_sockets`): after every (re)initialisation each rank publishes its established
+connections (its `offer`, through `detect.Detectors`), and a connection whose mirror image
+another rank holds joins two workers of this job. The driver, the rendezvous store, the object
+store and anything else outside the job are never touched.
 
 What it cannot tell apart: a host that vanishes without closing its connections (power loss,
-network partition, a kernel that stops answering) sends no hang-up; those still end at the Gloo
-timeout. A slow rank or a slow link is never taken for a failure, because nothing hangs up.
+network partition, a kernel that stops answering) sends no hang-up; the heartbeats
+(`silent_peers`) find those. A slow rank or a slow link is never taken for a failure, because
+nothing hangs up.
 """
 
 from __future__ import annotations
