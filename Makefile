@@ -4,7 +4,8 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast lint demo bench chaos image clean docker-test scenarios scenarios-all
+.PHONY: install test test-extended test-fast lint demo bench chaos image clean docker-test \
+	scenarios scenarios-all
 
 $(STAMP): pyproject.toml scripts/install.sh
 	bash scripts/install.sh
@@ -15,7 +16,12 @@ install: $(STAMP)
 # The one test command (README and .ci/run call exactly this).
 test: $(STAMP)
 	$(PY) -m ruff check hvd_resilient discovery tests examples bench
-	$(PY) -m pytest -q -m "(not chaos or ci_chaos) and not docker and not horovod_scenarios" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "(not chaos or ci_chaos) and not docker and not horovod_scenarios and not extended" $(PYTEST_ARGS)
+
+# The second variants of guarantees make test proves already (another store, data kind or
+# launcher: about 5 minutes); not in CI, for its time.
+test-extended: $(STAMP)
+	$(PY) -m pytest -q -m "extended and not chaos and not docker" $(PYTEST_ARGS)
 
 # Horovod's own elastic scenarios (test/integration/elastic_common.py) under hvd-resilient run:
 # the --no-slot-hosts tier, where Horovod's expected sizes apply unchanged (CI runs it; about

@@ -64,7 +64,7 @@ def assert_consistent(run: Path) -> None:
     assert assert_exactly_once(run, N) >= 1
 
 
-@pytest.mark.parametrize("kind", ["map", "shards"])
+@pytest.mark.parametrize("kind", [pytest.param("map", marks=pytest.mark.extended), "shards"])
 def test_a_killed_worker_loses_no_sample_and_repeats_none(kind, tmp_path, jobs, request):
     shards = request.getfixturevalue("shards") if kind == "shards" else None
     run = tmp_path / "run"
@@ -90,7 +90,7 @@ def test_a_killed_worker_loses_no_sample_and_repeats_none(kind, tmp_path, jobs, 
     assert_consistent(run)
 
 
-@pytest.mark.parametrize("kind", ["map", "shards"])
+@pytest.mark.parametrize("kind", ["map", pytest.param("shards", marks=pytest.mark.extended)])
 def test_resize_2_3_2_through_discovery_loses_no_sample(kind, tmp_path, jobs, request):
     shards = request.getfixturevalue("shards") if kind == "shards" else None
     run = tmp_path / "run"
@@ -117,7 +117,8 @@ def test_resize_2_3_2_through_discovery_loses_no_sample(kind, tmp_path, jobs, re
     assert_consistent(run)
 
 
-@pytest.mark.parametrize("kind,api", [("map", "trainer"), ("shards", "loop")])
+@pytest.mark.parametrize("kind,api", [("map", "trainer"),
+                                      pytest.param("shards", "loop", marks=pytest.mark.extended)])
 def test_full_restart_resumes_the_data_order_from_the_checkpoint(kind, api, tmp_path, jobs,
                                                                  request, s3_url, s3_server):
     """SIGKILL to every process of the job, then a relaunch: the sampler's position (for

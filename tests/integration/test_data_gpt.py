@@ -15,6 +15,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 GPT = str(ROOT / "examples" / "gpt.py")
 
 
+@pytest.mark.extended  # shards streamed from S3: test_data_elastic; the GPT example: the demo
 def test_gpt_streams_its_shards_from_s3_and_learns(tmp_path, jobs, s3_url, s3_server):
     jobs.extra_env.update(s3_server.env())
     _, discover = write_discovery(tmp_path, "localhost:2")

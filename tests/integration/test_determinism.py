@@ -239,6 +239,7 @@ def test_horovod_deterministic_job_grows_and_shrinks_elastically(tmp_path, jobs)
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.timeout(600)
 def test_horovod_default_mode_is_recorded_not_asserted(tmp_path, jobs, record_property):
     """Without --deterministic two identical runs usually end with different parameters

@@ -230,7 +230,8 @@ def test_preemption_signal_final_checkpoint_then_restart_loses_nothing(tmp_path,
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("backend", ["horovod", "mpi", "torchrun"])
+@pytest.mark.parametrize("backend", ["horovod", pytest.param("mpi", marks=pytest.mark.extended),
+                                     "torchrun"])
 def test_whole_job_sigkilled_then_run_again_resumes_from_s3(backend, tmp_path, jobs, s3_url,
                                                             s3_server):
     """The same script under each launcher: checkpoints go to SeaweedFS, kill -9 of every

@@ -58,6 +58,7 @@ def test_sigkill_whole_job_resumes_bit_identical_file_store(tmp_path, jobs):
     check_kill_and_resume(tmp_path, jobs, lambda name: (tmp_path / name / "ckpt").as_uri())
 
 
+@pytest.mark.extended  # the file store's variant runs in make test; S3 resumes in test_launch
 def test_sigkill_whole_job_resumes_bit_identical_s3(tmp_path, jobs, s3_url, s3_server):
     jobs.extra_env.update(s3_server.env())  # every launch talks to the test's SeaweedFS
     check_kill_and_resume(tmp_path, jobs, lambda name: f"{s3_url}/{name}")
