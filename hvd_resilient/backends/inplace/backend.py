@@ -59,8 +59,8 @@ def _resources() -> dict[str, int]:
 
 
 class GenerationsFailed(HvdResilientError):
-    """Generations keep failing before their first commit: stop (the supervisor relaunches
-    from the durable checkpoint)."""
+    """Generations keep failing before their first commit: the fault is not a peer's, and a
+    restart would fail the same way, so the job stops with one line (exit 78, not relaunched)."""
 
 
 class _AgentEvict:
