@@ -117,7 +117,9 @@ class Agent:
         """One look at the workers; an exit code when the job is over."""
         self._reap()
         if not self.alive:
-            return 0 if self.finished else max(self.failed.values(), default=1)
+            # a worker's own exit code (78: not to be relaunched), never a signal's negative one
+            return 0 if self.finished else max((c for c in self.failed.values() if c > 0),
+                                               default=1)
         if self.finished or self._stopping:  # the run is ending: no new generation
             return None
         self._evictions()

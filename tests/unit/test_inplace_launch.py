@@ -87,10 +87,20 @@ def _stop(agent: inplace_agent.Agent) -> None:
         p.wait()
 
 
-def test_a_dead_member_is_left_out_once_every_live_one_asked():
-    agent = _agent(["import sys; sys.exit(3)", ASK, ASK])
+def test_a_dead_member_is_left_out_once_every_live_one_asked(tmp_path):
+    """Member 0 ends (code 3) once the two others have asked, as a peer's death makes them."""
+    flag = tmp_path / "end"
+    ends = (f"import os, sys, time\nwhile not os.path.exists({str(flag)!r}): time.sleep(0.01)\n"
+            "sys.exit(3)")
+    agent = _agent([ends, ASK, ASK])
+
+    def asked_then_end() -> bool:
+        if agent.store.check([membership.want_key(1), membership.want_key(2)]):
+            flag.touch()
+        return agent.generation == 1
+
     try:
-        _until(agent, lambda: agent.generation == 1)
+        _until(agent, asked_then_end)
         assert agent.members == [1, 2] and agent.failed == {0: 3}
         assert json.loads(agent.store.get(membership.gen_key(1))) == [1, 2]
     finally:
