@@ -26,7 +26,6 @@ from hvd_resilient.checkpoint.manager import CheckpointManager
 from hvd_resilient.checkpoint.manifest import REPLICATED
 from hvd_resilient.checkpoint.serialize import check_state_dict
 from hvd_resilient.checkpoint.split import (
-    LEGACY_FILE,
     decode_file,
     join_state,
     split_state,
@@ -44,7 +43,6 @@ from hvd_resilient.training.faults import FaultPlan
 from hvd_resilient.training.memory_commits import MemoryCommits
 
 log = get("durable")
-STATE_FILE = LEGACY_FILE
 
 
 class StartRefused(HvdResilientError):
