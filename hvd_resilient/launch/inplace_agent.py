@@ -184,9 +184,12 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, required=True, help="workers to start on this machine")
     p.add_argument("--min-np", type=int, default=1,
                    help="fewer live workers end the job (exit 1) for a restart")
-    p.add_argument("--last-call", type=float, default=5.0,
+    p.add_argument("--last-call", type=float, default=60.0,
                    help="seconds a live worker may take to ask for the next generation before "
-                        "it is ended (it normally asks within milliseconds of a fault)")
+                        "it is ended (it asks at its next collective, normally within "
+                        "milliseconds of a fault; longer inside an evaluation, which is why "
+                        "this is generous; a dead one is dropped at once, a frozen one by "
+                        "the heartbeats)")
     p.add_argument("--replace", action="store_true",
                    help="start a new worker for each one lost; it joins once it is up")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the worker command")
