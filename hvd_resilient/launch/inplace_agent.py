@@ -166,6 +166,7 @@ class Agent:
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._forward)
+        self.store.set("joins", "1" if self.replace else "0")  # before any worker reads it
         for m in range(self.nproc):
             self._start(m)
         self._publish(list(range(self.nproc)))

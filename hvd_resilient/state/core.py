@@ -10,6 +10,7 @@ streams, learning-rate scaling and the parameter digest.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -277,3 +278,55 @@ def _unwrapped(model: Any) -> Any:
     """DDP prefixes every key with `module.`; checkpoints hold the plain model's keys, so a
     checkpoint written under one launcher loads under another."""
     return getattr(model, "module", model)
+
+
+class InMemoryState(StateCore):
+    """A state whose commit point lives in this process, so that a failure is answered by a
+    restore, not a restart (Horovod elastic, the inplace backend). The concrete state provides
+    ``save()``, which takes the commit point (not defined here: Horovod's comes from its
+    ``TorchState``, which follows this class in the MRO)."""
+
+    _synced_once = False
+    save: Callable[[], None]  # an annotation only: Horovod's save() is TorchState's
+
+    def _take_commit(self) -> None:
+        """The commit every such state makes: its hooks, the commit point, the event."""
+        self._run_hooks(self._before_commit)
+        t0 = time.perf_counter()
+        self.save()
+        self.last_commit_step = self.step
+        if self._rank() == 0:
+            self.events.emit("commit", seconds=round(time.perf_counter() - t0, 6))
+
+    def _restored(self, before: int) -> None:
+        self.events.emit("restore", from_step=before, to_step=self.step,
+                         lost_steps=before - self.step)
+        log.warning("restored the last commit: step %d -> %d", before, self.step)
+
+    def _after_agreement(self) -> None:
+        """The end of every sync: the per-rank parts, then everyone's agreed state as the
+        commit point, so that a failure before the next commit restores this, not whatever a
+        freshly started worker had."""
+        if not self._synced_once:
+            self._apply_start_rng()
+            self._synced_once = True
+        self._apply_lr_scaling()
+        self.save()
+        self._run_hooks(self._after_sync)
+
+    def mark_commit_point(self) -> None:
+        """What the first sync spreads and a restore returns to."""
+        self.save()
+
+    def mark_fatal(self, error: str) -> None:
+        """Rank 0 at start: committed, so the first sync spreads it to every rank, joiners
+        included."""
+        super().mark_fatal(error)
+        self.save()
+
+    def load_checkpoint_state(self, sd: dict[str, Any]) -> None:
+        """Applies a durable checkpoint on rank 0 and makes it the commit point; the first
+        sync spreads it (no collective here: a worker joining later runs this code too)."""
+        super().load_checkpoint_state(sd)
+        self.save()
+        self.last_commit_step = self.step

@@ -15,7 +15,6 @@ in Horovod's documentation, the sampler (ours, or Horovod's `ElasticSampler`) is
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,11 +25,8 @@ from horovod.torch.elastic.state import StateHandler, TorchState
 
 from hvd_resilient.backends.horovod.collectives import HorovodCollectives
 from hvd_resilient.events import EventLog
-from hvd_resilient.log import get
 from hvd_resilient.state.commits import Commit, RngCommit, commit_for
-from hvd_resilient.state.core import StateCore, is_stateful
-
-log = get("state")
+from hvd_resilient.state.core import InMemoryState, is_stateful
 
 
 class _Slot(StateHandler):
@@ -56,7 +52,7 @@ class _Slot(StateHandler):
         raise AssertionError("ElasticState.sync sends every component itself")
 
 
-class ElasticState(StateCore, TorchState):
+class ElasticState(InMemoryState, TorchState):
     """State of one elastic training run: model, optimizer, scheduler, sampler, counters, RNG.
 
     `step` and `samples` count optimizer steps and samples over the whole run; the epoch and the
@@ -82,7 +78,6 @@ class ElasticState(StateCore, TorchState):
         **extras: Any,
     ) -> None:
         self._init_core(seed=seed, lr_scaling=lr_scaling, events=events, extras=extras)
-        self._synced_once = False
         if host_check_every < 0:
             raise ValueError(f"host_check_every must be >= 0 (0 turns the check off), "
                              f"got {host_check_every}")
@@ -113,12 +108,7 @@ class ElasticState(StateCore, TorchState):
 
     # -- the elastic protocol -------------------------------------------------------------
     def commit(self) -> None:
-        self._run_hooks(self._before_commit)
-        t0 = time.perf_counter()
-        self.save()
-        self.last_commit_step = self.step
-        if hvd.rank() == 0:
-            self.events.emit("commit", seconds=round(time.perf_counter() - t0, 6))
+        self._take_commit()
         self.check_host_updates()
 
     def host_change_pending(self) -> bool:
@@ -145,45 +135,18 @@ class ElasticState(StateCore, TorchState):
     def restore(self) -> None:
         before = self.step
         super().restore()
-        self.events.emit(
-            "restore", from_step=before, to_step=self.step, lost_steps=before - self.step
-        )
-        log.warning("restored the last commit: step %d -> %d", before, self.step)
+        self._restored(before)
 
     def sync(self) -> None:
         """Rank 0's committed plain attributes (Horovod's semantics), then every component
         agreed and proven equal (`state.agreement`); an event says what was sent."""
         ObjectState.sync(self)
         self._agree(self._collectives)
-        if not self._synced_once:
-            self._apply_start_rng()
-            self._synced_once = True
-        self._apply_lr_scaling()
-        # Everyone now holds rank 0's state: make it the commit point, so that a failure before
-        # the next commit restores this, not whatever a freshly started worker had.
-        self.save()
-        self._run_hooks(self._after_sync)
+        self._after_agreement()
 
     def after_reset(self, fn: Callable[[], None]) -> None:
         """Horovod's reset callbacks (`on_reset()` is Horovod's own: it runs them)."""
         self.register_reset_callbacks([fn])
-
-    def mark_commit_point(self) -> None:
-        """What the first sync spreads and a restore returns to."""
-        self.save()
-
-    def mark_fatal(self, error: str) -> None:
-        """Rank 0 at start: committed, so the first sync (which sends rank 0's committed
-        attributes) spreads it to every rank, joiners included."""
-        super().mark_fatal(error)
-        self.save()
-
-    def load_checkpoint_state(self, sd: dict[str, Any]) -> None:
-        """Applies a durable checkpoint on rank 0 and makes it the commit point; the first
-        sync spreads it (no collective here: a worker joining later runs this code too)."""
-        super().load_checkpoint_state(sd)
-        self.save()
-        self.last_commit_step = self.step
 
 
 def is_elastic() -> bool:

@@ -119,8 +119,11 @@ class InPlaceBackend(Backend):
                             generation_changed=self._generation_changed, **kwargs)
 
     def _generation_changed(self) -> bool:
-        """Rank 0's look at the store, the same on every rank (a collective)."""
+        """Rank 0's look at the store, the same on every rank (a collective); nothing at all,
+        on any rank, when the agent starts no worker that could join."""
         m = self.membership
+        if m is not None and not m.joins:
+            return False
         flag = torch.tensor([1 if self.rank() == 0 and m is not None and m.changed() else 0],
                             dtype=torch.int32)
         dist.broadcast(flag, src=0)
@@ -174,17 +177,29 @@ class InPlaceBackend(Backend):
 
     def _next_generation(self, state: Any, error: BaseException, detected: float,
                          watch: GlooWatch) -> None:
+        hung_up = watch.detected_at
+        state.events.emit("failure_detected", error=one_line(error, typed=True),
+                          peer_hangup=watch.detail or None, generation=self.membership.generation,
+                          detect_seconds=round(detected - hung_up, 6) if hung_up else None)
+        self._reform(state, detected, after_fault=True)
+
+    def _move_to_newest(self, state: Any) -> None:
+        """A worker joins: the members leave their generation at the same commit (no fault,
+        nothing restored) for the newest one, and the sync sends the newcomer the state."""
+        self._reform(state, time.time(), after_fault=False)
+
+    def _reform(self, state: Any, since: float, *, after_fault: bool) -> None:
+        """Leaves this generation for the next one that holds this worker: after a fault
+        restored and asked for, after a join already published."""
         m = self.membership
         assert m is not None
         old_gen, old_size = m.generation, self.size()
-        hung_up = watch.detected_at
-        state.events.emit("failure_detected", error=one_line(error, typed=True),
-                          peer_hangup=watch.detail or None, generation=old_gen,
-                          detect_seconds=round(detected - hung_up, 6) if hung_up else None)
         with progress.section("reset", None):
-            state.restore()
+            if after_fault:
+                state.restore()
             dist.destroy_process_group()  # local: its sockets are shut, nothing to wait for
-            m.report_fault(old_gen)
+            if after_fault:
+                m.report_fault(old_gen)
             try:
                 m.wait_beyond(old_gen)
             except Fenced as e:
@@ -192,29 +207,13 @@ class InPlaceBackend(Backend):
                 exit_now(HUNG_EXIT_CODE)
             m.form(self.pg_timeout)
         state.reset_done()
+        joined = {} if after_fault else {"joined": True}
         state.events.emit("reset", old_size=old_size, new_size=self.size(),
-                          generation=m.generation, seconds=round(time.time() - detected, 6),
-                          **_resources())
+                          generation=m.generation, seconds=round(time.time() - since, 6),
+                          **joined, **_resources())
         if self.rank() == 0:
-            log.info("generation %d: world size %d -> %d", m.generation, old_size, self.size())
-
-    def _move_to_newest(self, state: Any) -> None:
-        """A worker joins: the members leave their generation at the same commit (no fault,
-        nothing restored) for the newest one, and the sync sends the newcomer the state."""
-        m = self.membership
-        assert m is not None
-        t0, old_size = time.time(), self.size()
-        with progress.section("reset", None):
-            dist.destroy_process_group()
-            m.wait_beyond(m.generation)
-            m.form(self.pg_timeout)
-        state.reset_done()
-        state.events.emit("reset", old_size=old_size, new_size=self.size(),
-                          generation=m.generation, joined=True,
-                          seconds=round(time.time() - t0, 6), **_resources())
-        if self.rank() == 0:
-            log.info("generation %d: world size %d -> %d (a worker joined)", m.generation,
-                     old_size, self.size())
+            log.info("generation %d: world size %d -> %d%s", m.generation, old_size,
+                     self.size(), "" if after_fault else " (a worker joined)")
 
     def allgather_object(self, obj: Any) -> list[Any]:
         return self.collectives.allgather_object(obj)

@@ -1,6 +1,7 @@
 """The generations, as the agent's store holds them: what a worker reads and reports.
 
-Keys (all under `PREFIX`): ``gen`` is the newest generation's number; ``gen/<g>`` its members
+Keys (all under `PREFIX`): ``joins`` is 1 when the agent starts workers that join later;
+``gen`` is the newest generation's number; ``gen/<g>`` its members
 (member ids, JSON, in rank order); ``want/<member>`` is the generation a member saw fail (it
 asks for the next one). The agent publishes the next generation with the members that asked,
 once every live member has (a dead one is reaped in milliseconds), or after its last call,
@@ -68,6 +69,9 @@ class Membership:
         self.base = dist.TCPStore(host, int(port), is_master=False,
                                   timeout=datetime.timedelta(seconds=timeout_s))
         self.store = dist.PrefixStore(PREFIX, self.base)
+        self.joins = self.store.get("joins") == b"1"
+        """Whether the agent starts workers that join later (`--replace`); set before any
+        worker starts, so every member reads the same."""
         self.generation = -1
         self.members: list[int] = []
         self.announced_at: float | None = None

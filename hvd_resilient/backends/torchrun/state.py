@@ -17,7 +17,10 @@ from hvd_resilient.state.core import StateCore
 log = get("state")
 
 
-class TorchrunState(StateCore):
+class TorchDistState(StateCore):
+    """What a state on plain torch.distributed holds (torchrun's and the inplace backend's):
+    the components, the counters as plain attributes, rank and size from the backend."""
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -52,6 +55,8 @@ class TorchrunState(StateCore):
     def _size(self) -> int:
         return self._size_fn()
 
+
+class TorchrunState(TorchDistState):
     def sync(self) -> None:
         """DDP's constructor (or `fsdp.shard`) already broadcast rank 0's parameters, and every
         rank loaded the same checkpoint; the agreement proves it (and repairs what differs:
