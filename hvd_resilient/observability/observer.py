@@ -118,11 +118,6 @@ class Observer:
         if self._endpoint is not None:
             self._endpoint.stop()
 
-    @property
-    def metrics_address(self) -> tuple[str, int] | None:
-        """Where the endpoint listens now (None: not serving)."""
-        return self._endpoint.address if self._endpoint is not None else None
-
     # -- stragglers ------------------------------------------------------------------------------
     def _exchange(self, rank: int, step: int) -> None:
         mine = self.detector.summary(rank, self.host, self.pid)

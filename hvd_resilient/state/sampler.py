@@ -98,10 +98,6 @@ class ElasticDataSampler:
     def advance(self, global_count: int) -> None:
         self.consumed = min(self.num_samples, self.consumed + global_count)
 
-    def steps_left(self, world_size: int, batch_size: int) -> int:
-        per = world_size * batch_size
-        return -(-self.remaining() // per)
-
 
 @dataclass
 class _ShardStep:
@@ -271,10 +267,6 @@ class ElasticShardSampler:
             base = self.starts[shard]
             ids.extend(base + (perm[o] if perm is not None else o) for o in range(a, b))
         return StepSlice(ids, step.global_count)
-
-    def shards_of(self, rank: int, world_size: int, batch_size: int) -> list[int]:
-        """The shards `rank` reads in the next step (what a reader fetches ahead)."""
-        return [s for s, _, _ in self._step(world_size, batch_size).segments[rank]]
 
     def advance(self, global_count: int) -> None:
         """Applies the step last planned by `next_slice` (every rank plans the same one)."""

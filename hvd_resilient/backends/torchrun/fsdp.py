@@ -43,12 +43,6 @@ def require_torchrun(backend: str) -> None:
         )
 
 
-def is_sharded(model: Any) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
-
-
 def _units(model: nn.Module) -> list[nn.Module]:
     """The submodules that get their own FSDP unit (all-gathered just before they run, freed
     after): the root's children that hold parameters, one level into plain containers so a

@@ -33,7 +33,6 @@ from hvd_resilient.report.timeline import Episode, Launch, normalize, parse
 logger = logging.getLogger(__name__)
 
 EVENTS_FILE = "events.jsonl"
-STACKS = ("ours", "vanilla-horovod", "ours-torchrun", "torchrun")
 
 
 @dataclass

@@ -17,8 +17,8 @@ runtime sees as which class) is this planner's assumption, the counts are the pa
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from hvd_resilient.errors import ConfigError
@@ -269,16 +269,6 @@ class Inputs:
     def source(self, name: str) -> str:
         return self.values[name].source
 
-    def with_values(self, **kw: float) -> Inputs:
-        vals = dict(self.values)
-        for k, x in kw.items():
-            if k not in PARAM:
-                raise ConfigError(f"plan: unknown input {k!r}")
-            vals[k] = Value(float(x), "flag")
-        out = replace(self, values=vals)
-        out.validate()
-        return out
-
     def rates_per_gpu_s(self) -> dict[str, float]:
         """Failure rate of each class per GPU-second."""
         return {c: self[f"rate_{c}"] / 1000.0 / 86400.0 for c in CLASSES}
@@ -373,8 +363,3 @@ def parse_sizes(text: str) -> list[int]:
         raise ConfigError("plan: --sizes is empty")
     return sorted(set(out))
 
-
-def check_names(names: Iterable[str]) -> None:
-    for n in names:
-        if n not in PARAM:
-            raise ConfigError(f"plan: unknown input {n!r}")
