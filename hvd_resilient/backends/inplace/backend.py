@@ -94,18 +94,33 @@ class InPlaceBackend(Backend):
     def init(self, comm: Any | None = None) -> None:
         determinism.apply(determinism.enabled())
         m = self.membership = Membership(self.generation_timeout_s)
+        if m.expect_to_join():
+            return  # a latecomer: set up first, announce at run() (the others train on)
+        m.wait_beyond(-1, joining=True)
+        m.form(self.pg_timeout)
+
+    def _join(self) -> None:
+        """A latecomer, its trainer set up: up and waiting now, so the members' stall at its
+        join is the group's formation and the sync, not this worker's setup."""
+        m = self.membership
+        assert m is not None
         m.announce()
         m.wait_beyond(-1, joining=True)
         m.form(self.pg_timeout)
 
+    # Rank and size come from the generation's member list (equal to the group's once it is
+    # formed): a latecomer sets up with the place it will most likely take, before it has a
+    # group, and every component re-plans at the sync anyway.
     def rank(self) -> int:
-        return dist.get_rank()
+        assert self.membership is not None, "init() first"
+        return self.membership.rank
 
     def size(self) -> int:
-        return dist.get_world_size()
+        assert self.membership is not None, "init() first"
+        return len(self.membership.members)
 
     def local_size(self) -> int:
-        return dist.get_world_size()  # the agent starts every worker on its machine
+        return self.size()  # the agent starts every worker on its machine
 
     def wrap(self, model: Any, optimizer: Any, *, accumulation: int = 1) -> tuple[Any, Any]:
         """The model as it is (its parameters are made equal by every sync), the optimizer
@@ -132,6 +147,8 @@ class InPlaceBackend(Backend):
     def run(self, fn: Callable[[Any], None], state: Any) -> None:
         m = self.membership
         assert m is not None, "init() first"
+        if not dist.is_initialized():
+            self._join()
         watch = GlooWatch()
         detectors = Detectors(watch, SilentPeers(
             self.heartbeat_timeout_s, state.events, machine=socket.gethostname(),

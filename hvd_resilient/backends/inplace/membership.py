@@ -76,6 +76,17 @@ class Membership:
         self.members: list[int] = []
         self.announced_at: float | None = None
 
+    def expect_to_join(self) -> bool:
+        """True for a worker the newest generation does not hold (the agent started it in
+        place of a lost one): it takes the place it will most likely get, last in rank order
+        (member ids only grow), until it is taken in."""
+        newest = self.newest()
+        members = json.loads(self.store.get(gen_key(newest))) if newest >= 0 else []
+        if self.me in members:
+            return False
+        self.members = sorted([*members, self.me])
+        return True
+
     def announce(self) -> None:
         """Up and waiting to be taken in (what the agent waits for before it lets a
         replacement join)."""
