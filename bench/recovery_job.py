@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 import hvd_resilient
-from hvd_resilient import log, watchdog
+from hvd_resilient import log
 from hvd_resilient.backends.horovod.state import ElasticState
+from hvd_resilient.detect import progress
 from hvd_resilient.detect.progress import ProgressWatchdog
 from hvd_resilient.events import EventLog
 from hvd_resilient.state.sampler import ElasticDataSampler
@@ -62,7 +63,7 @@ def main() -> int:
     if a.stack == "ours":  # a custom loop opts into the progress watchdog like this
         dog = ProgressWatchdog(run_dir=a.run_dir, rank=hvd.rank, emit=events.emit,
                                timeout_s=a.progress_timeout).start()
-        watchdog.install(dog)
+        progress.install(dog)
     waiting = dog.waiting_for_peers if dog else contextlib.nullcontext
 
     @run
