@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import select
 import socket
+import struct
 import threading
 import time
 from typing import Any
@@ -56,12 +57,33 @@ def local_connections() -> list[Conn]:
 
 def peer_connections(everyone: list[list[Conn]], me: int) -> list[tcp_sockets.TcpSocket]:
     """Connections of this process whose other end is held by another rank of the job."""
-    mirrored = {(remote, local) for r, conns in enumerate(everyone) if r != me
+    return [s for s, _ in _owned_by(everyone, me)]
+
+
+def _owned_by(everyone: list[list[Conn]], me: int) -> list[tuple[tcp_sockets.TcpSocket, int]]:
+    """This process's connections to other ranks, each with the rank at its other end."""
+    mirrored = {(remote, local): r for r, conns in enumerate(everyone) if r != me
                 for local, remote in conns}
     return [
-        s for s in tcp_sockets.own_sockets()
+        (s, mirrored[(s.local, s.remote)]) for s in tcp_sockets.own_sockets()
         if s.state == tcp_sockets.ESTABLISHED and (s.local, s.remote) in mirrored
     ]
+
+
+_TCP_INFO_LAST_DATA_RECV = 52
+"""Offset of `tcpi_last_data_recv` (u32, milliseconds) in Linux's `struct tcp_info`."""
+
+
+def quiet_seconds(sock: socket.socket) -> float | None:
+    """How long ago data last arrived on a TCP socket (the kernel's count; None: unknown)."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+    except (OSError, AttributeError):
+        return None
+    if len(info) < _TCP_INFO_LAST_DATA_RECV + 4:
+        return None
+    (ms,) = struct.unpack_from("I", info, _TCP_INFO_LAST_DATA_RECV)
+    return ms / 1000.0
 
 
 class GlooWatch:
@@ -75,6 +97,7 @@ class GlooWatch:
         self._armed = False
         self._socks: list[socket.socket] = []
         self._conns: list[Conn] = []
+        self._ranks: list[int] = []  # the rank at the other end of each watched socket
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.detected_at: float | None = None
@@ -87,17 +110,18 @@ class GlooWatch:
         """`everyone` is every rank's `local_connections()` (an allgather). Returns the number
         of connections watched; 0 means detection falls back to the Gloo timeout."""
         self.disarm()
-        conns = peer_connections(everyone, me)
-        socks, watched = [], []
-        for c in conns:
+        socks, watched, ranks = [], [], []
+        for c, rank in _owned_by(everyone, me):
             try:
                 socks.append(socket.socket(fileno=os.dup(c.fd)))
             except OSError:
                 continue
             watched.append((c.local, c.remote))
+            ranks.append(rank)
         with self._lock:
             self._socks = socks
             self._conns = watched
+            self._ranks = ranks
             self._armed = True
             self.detected_at = None
             self.detail = ""
@@ -115,7 +139,7 @@ class GlooWatch:
             self._armed = False
             self._stop.set()
             socks, self._socks = self._socks, []
-            self._conns = []
+            self._conns, self._ranks = [], []
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=1.0)
         self._thread = None
@@ -124,6 +148,15 @@ class GlooWatch:
                 s.close()
             except OSError:
                 pass
+
+    def quiet_for(self, rank: int) -> float | None:
+        """Seconds since data last arrived from `rank` over the watched connections (None:
+        none to it). A peer whose heartbeats go missing while its data keeps arriving is alive:
+        a link saturated by a big collective drops the small datagrams first."""
+        with self._lock:
+            socks = [s for s, r in zip(self._socks, self._ranks, strict=True) if r == rank]
+            quiet = [q for q in map(quiet_seconds, socks) if q is not None]
+        return min(quiet) if quiet else None
 
     def stand_down(self) -> list[Conn]:
         """This rank gave up its collectives: the watch stops reporting (the hang-ups that follow

@@ -85,8 +85,12 @@ class Heartbeat:
                  on_self_frozen: Callable[[float], None],
                  on_cut_off: Callable[[list[Peer]], None],
                  is_cut_off: Callable[[], bool], interval_s: float = INTERVAL_S,
-                 machine: str = "") -> None:
+                 machine: str = "",
+                 quiet_for: Callable[[int], float | None] = lambda rank: None) -> None:
         self.timeout_s = timeout_s
+        self.quiet_for = quiet_for
+        """Seconds since data last came from a rank over the job's own connections (the Gloo
+        watch's count; None: unknown)."""
         self.machine = machine
         """This process's machine as peers name it (for peers that do not say their view)."""
         self.view = this_view()
@@ -177,7 +181,7 @@ class Heartbeat:
                     verdict = ("silent", silent, max(now - self._last[p.pid] for p in silent),
                                len(silent) == len(self._peers))
             if verdict[0] == "silent":
-                verdict = self._spare_the_starved(verdict)
+                verdict = self._spare_the_living(verdict)
                 if verdict is None:
                     continue
             if verdict[0] == "frozen":
@@ -187,12 +191,24 @@ class Heartbeat:
             else:
                 self.on_lost(verdict[1], verdict[2])
 
-    def _spare_the_starved(self, verdict: tuple) -> tuple | None:
-        """A silent peer on this machine whose process is not stopped is alive but starved of
-        CPU (its heartbeat thread did not get to run): judge it again later instead of
-        evicting it. A stopped one (state T), or one on another machine, stays silent."""
-        silent = [p for p in verdict[1]
-                  if not (same_host(p, self.machine, self.view) and _running(p.pid))]
+    def _spare_the_living(self, verdict: tuple) -> tuple | None:
+        """Silent peers that are alive are judged again later instead of evicted:
+        - one on this machine whose process is not stopped is starved of CPU (its heartbeat
+          thread did not get to run);
+        - one whose data kept arriving over the job's connections within the timeout: its
+          heartbeats were lost on a link that a big transfer saturates (a drop-tail queue
+          drops the small datagrams of the other flows), or its heartbeat thread starved.
+        A stopped one (state T) sends no new data: its last bytes in flight arrive, then it
+        stays silent."""
+        starved, busy, silent = [], [], []
+        for p in verdict[1]:
+            quiet = self.quiet_for(p.rank)
+            if same_host(p, self.machine, self.view) and _running(p.pid):
+                starved.append(p)
+            elif quiet is not None and quiet < self.timeout_s:
+                busy.append(p)
+            else:
+                silent.append(p)
         if silent:
             return ("silent", silent, verdict[2], verdict[3] and len(silent) == len(verdict[1]))
         with self._lock:
@@ -200,8 +216,12 @@ class Heartbeat:
             for p in verdict[1]:
                 self._last[p.pid] = now
             self._judging = True
-        log.warning("ranks %s silent but running on this machine (starved of CPU?); not "
-                    "evicted", [p.rank for p in verdict[1]])
+        if starved:
+            log.warning("ranks %s silent but running on this machine (starved of CPU?); not "
+                        "evicted", [p.rank for p in starved])
+        if busy:
+            log.warning("ranks %s missed their heartbeats but their data keeps arriving (a "
+                        "saturated link?); not evicted", [p.rank for p in busy])
         return None
 
     def _drain(self, now: float) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from hvd_resilient.detect import heartbeat
@@ -74,7 +75,11 @@ class SilentPeers:
     name = "heartbeats"
 
     def __init__(self, timeout_s: float, events: Any, *, machine: str, slot: str,
-                 coordinator: tuple[str, int] | None, evict: Evict | None = None) -> None:
+                 coordinator: tuple[str, int] | None, evict: Evict | None = None,
+                 quiet_for: Callable[[int], float | None] = lambda rank: None) -> None:
+        """`quiet_for(rank)`: seconds since data last came from that rank over the job's own
+        connections (`GlooWatch.quiet_for`), so a peer still sending is never evicted as
+        silent."""
         self.events = events
         self.machine, self.slot = machine, slot
         self.coordinator = coordinator
@@ -83,7 +88,7 @@ class SilentPeers:
             timeout_s, on_lost=self._lost, on_self_frozen=self._self_frozen,
             on_cut_off=self._cut_off,
             is_cut_off=lambda: coordinator is not None and not heartbeat.probe(coordinator),
-            machine=machine)
+            machine=machine, quiet_for=quiet_for)
         self.address = (outward_ip(coordinator), self.hb.port)
 
     def peer(self, rank: int) -> heartbeat.Peer:

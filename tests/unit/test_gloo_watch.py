@@ -57,6 +57,25 @@ def test_only_connections_mirrored_by_another_rank_are_peers(pair):
     assert endpoints(other) not in mine
 
 
+def test_quiet_for_counts_from_the_last_data_a_rank_sent(pair):
+    """The heartbeats ask this before they evict a peer: data still arriving means alive."""
+    a, b, (other, other_peer) = pair
+    watch = gloo_watch.GlooWatch()
+    assert watch.arm(0, [[endpoints(a), endpoints(other)], [endpoints(b)]]) == 1
+    try:
+        assert watch.quiet_for(2) is None, "no connection to rank 2"
+        time.sleep(1.2)  # time must pass for the count to grow: nothing to wait for instead
+        quiet = watch.quiet_for(1)
+        assert quiet is not None and quiet >= 1.0, quiet
+        b.sendall(b"x" * 1000)
+        a.recv(1000)
+        quiet = watch.quiet_for(1)
+        assert quiet is not None and quiet < 0.5, quiet
+    finally:
+        watch.disarm()
+    assert watch.quiet_for(1) is None, "disarmed: nothing watched"
+
+
 def test_hangup_of_a_peer_is_detected_and_our_connections_are_shut(pair):
     a, b, (other, other_peer) = pair
     watch = gloo_watch.GlooWatch()
