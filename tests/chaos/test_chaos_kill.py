@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(300)]
 @pytest.mark.ci_chaos
 def test_sigkilled_worker_shrinks_the_job_and_its_host_is_readmitted(chaos):
     c = chaos.cluster(3)
-    run = ElasticRun(chaos, c, "kill-worker", expect_sizes=[3, 2, 3])
+    run = ElasticRun(chaos, c, "kill-worker", expect_sizes=[3, 2, 3], supervised=0)
     run.wait_commit(3, min_step=20)
     victim = run.pid_of_rank(1)
     host = c.host_of_pid(victim)
@@ -34,7 +34,7 @@ def test_whole_host_killed_shrinks_the_job_and_the_host_is_readmitted(chaos):
     """Every process in the namespace dies (its ssh sessions too); sshd stays, like a host
     that rebooted quickly."""
     c = chaos.cluster(3)
-    run = ElasticRun(chaos, c, "kill-host", expect_sizes=[3, 2, 3])
+    run = ElasticRun(chaos, c, "kill-host", expect_sizes=[3, 2, 3], supervised=0)
     run.wait_commit(3, min_step=20)
     host = run.host_of_rank(2)
     assert host != run.host_of_rank(0)
@@ -54,7 +54,7 @@ def test_rank0_host_killed_state_comes_from_a_survivor(chaos):
     last, so the new rank 0 keeps its rank. The sizes seen are committed state, so the new
     rank 0 knows the whole history: 3, 2, 3."""
     c = chaos.cluster(3)
-    run = ElasticRun(chaos, c, "kill-rank0-host", expect_sizes=[3, 2, 3])
+    run = ElasticRun(chaos, c, "kill-rank0-host", expect_sizes=[3, 2, 3], supervised=0)
     before = run.wait_commit(3, min_step=20)
     host0 = run.host_of_rank(0)
     run.marks["fault"], _ = c.kill_host(host0)

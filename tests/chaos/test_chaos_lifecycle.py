@@ -88,7 +88,7 @@ def test_raised_exception_without_scaling_a_spare_host_takes_the_slot(chaos):
 def test_raised_exception_with_scaling_shrinks_then_readmits_the_host(chaos):
     c = chaos.cluster(3)
     run = ElasticRun(chaos, c, "raise-scaling", expect_sizes=[3, 2, 3],
-                     fault="raise:rank=1:step=25")
+                     fault="raise:rank=1:step=25", supervised=0)
     numbers = run.check([3, 2, 3])
     run.marks["fault"] = fault_time(run)
     numbers.update(run.timings())
@@ -238,8 +238,9 @@ def test_host_killed_during_checkpoint_upload_leaves_no_visible_checkpoint(chaos
                                                                          monkeypatch):
     """Rank 0 uploads a 40 MB checkpoint (multipart) over a throttled link to S3; its host is
     killed between the upload's start (`checkpoint_submitted`) and its end. The parts stored
-    so far must stay invisible: no listing shows the step, resume takes the newest verified
-    checkpoint, and the survivors' rank 0 goes on writing good ones."""
+    so far must stay invisible: no listing shows the cut upload, resume takes the newest
+    verified checkpoint, and the survivors' rank 0 goes on writing good ones (the lost step
+    among them, written again by the redo rule)."""
     from hvd_resilient.checkpoint.manager import CheckpointManager
     from hvd_resilient.checkpoint.manifest import step_dir
 
@@ -248,7 +249,7 @@ def test_host_killed_during_checkpoint_upload_leaves_no_visible_checkpoint(chaos
     prefix = "upload-killed"
     run = ElasticRun(chaos, c, "upload-killed", expect_sizes=[3, 2], steps_at_each=40,
                      hosts=c.hosts[:3], checkpoint=f"s3://{s3.bucket}/{prefix}",
-                     job_args=("--ballast-mb", "40"), env=s3.env())
+                     job_args=("--ballast-mb", "40"), env=s3.env(), supervised=0)
     first = run.wait(lambda: run.of("checkpoint_saved"), 180, "a first checkpoint")[0]
     run.marks["slowed"] = time.time()
     applied = c.slow(c.hosts[3], rate="16mbit")  # 40 MB: about 20 s
@@ -291,7 +292,17 @@ def test_host_killed_during_checkpoint_upload_leaves_no_visible_checkpoint(chaos
     run.report(numbers)
     scan = manager.scan()
     steps = [i.step for i in scan.checkpoints]
-    assert step not in steps, steps  # its folder may hold files (partial): never listed
+    # The step may be listed again, but only as the redo rule's work (the survivors' new rank 0
+    # writes the lost checkpoint again: docs/checkpoints.md), never as the cut upload made
+    # visible: then its manifest was created after the kill (the killed host wrote nothing
+    # after it) and a survivor reported the save, also after the kill.
+    if step in steps:
+        info = next(i for i in scan.checkpoints if i.step == step)
+        redone = [e for e in run.of("checkpoint_saved") if e["step"] == step]
+        assert info.created > run.marks["fault"], (info.created, run.marks["fault"])
+        assert redone and all(e["ts"] > run.marks["fault"] for e in redone), redone
+        numbers["killed_step_redone_s_after_kill"] = round(redone[0]["ts"] - run.marks["fault"],
+                                                           2)
     after = [s for s in steps if s > step]
     assert after, f"no checkpoint written after the kill: {steps}"
     for info in scan.checkpoints:
