@@ -167,9 +167,9 @@ def role_trainer(a: argparse.Namespace) -> dict[str, Any]:
     from hvd_resilient.training.trainer import Trainer
 
     run = tempfile.mkdtemp(prefix="data-bench-")
-    cfg = TrainConfig(run_id="bench", run_dir=run, max_steps=a.steps, epochs=1000,
-                      batch_size=BATCH, commit_every=50, log_every=10_000,
-                      checkpoint_every=10_000)
+    cfg = TrainConfig.from_sources(env={}, run_id="bench", run_dir=run, max_steps=a.steps,
+                                   epochs=1000, batch_size=BATCH, commit_every=50,
+                                   log_every=10_000, checkpoint_every=10_000)
     cfg.data.num_workers = 2
     cfg.observability.log_level = "WARNING"
     if a.shards_url:

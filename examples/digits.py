@@ -19,8 +19,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from hvd_resilient.cli_errors import exit_on_error  # noqa: E402
 from hvd_resilient.config import TrainConfig  # noqa: E402
-from hvd_resilient.errors import exit_on_error  # noqa: E402
 
 
 def load_digits_split(seed: int = 0) -> tuple[list, torch.Tensor, torch.Tensor]:

@@ -35,8 +35,10 @@ from torch.nn import functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from hvd_resilient.cli_errors import exit_on_error  # noqa: E402
 from hvd_resilient.config import TrainConfig  # noqa: E402
-from hvd_resilient.errors import ConfigError, exit_on_error, launcher_rank  # noqa: E402
+from hvd_resilient.errors import ConfigError  # noqa: E402
+from hvd_resilient.launcher_env import launcher_rank  # noqa: E402
 
 VOCAB = 256
 HELD_OUT = 0.02  # 2% of the windows, never trained on: the held-out loss

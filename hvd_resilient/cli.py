@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hvd_resilient.errors import exit_on_error
+from hvd_resilient.cli_errors import exit_on_error
 
 
 def _ckpt(argv: list[str]) -> int:

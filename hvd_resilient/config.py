@@ -4,31 +4,34 @@ Precedence: defaults < config file (YAML or JSON) < `HVD_RESILIENT_<FIELD>` envi
 variables < command-line flags. Every value is checked in `__post_init__`, so a bad value stops
 the job before any worker trains, with one line that names the field and how to set it.
 
-Settings that belong to one concern live in a section (`store`, `recovery`, `observability`,
-`data`):
-`cfg.store.sse` is set by `--store-sse`, `HVD_RESILIENT_STORE_SSE` or `store: {sse: ...}` in
-the file. This module is the only place that reads them; everything below gets them passed in.
+Settings that belong to one concern live in a section (`checkpoint`, `store`, `memory_tier`,
+`recovery`, `observability`, `data`, `recipe`): `cfg.store.sse` is set by `--store-sse`,
+`HVD_RESILIENT_STORE_SSE` or `store: {sse: ...}` in the file. A setting that moved into a
+section is still read under its older name (`keep_last`, `store_memory_dir`). This module is
+the only place that reads them; everything below gets them passed in. How flags, files and
+the environment become values is `hvd_resilient.settings`, shared with `hvd-resilient run`.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
-import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hvd_resilient.errors import SUPERVISED_ENV, ConfigError
 from hvd_resilient.masking import has_credentials, mask_url, scrub
+from hvd_resilient.settings import Schema, Setting, load_file, refuse_unknown, setting
 
 ENV_PREFIX = "HVD_RESILIENT_"
 LR_SCALING = ("none", "linear")
-SSE_MODES = ("", "AES256", "aws:kms")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+__all__ = ["ENV_PREFIX", "TrainConfig", "Setting", "load_file", "refuse_credentials",
+           "refuse_unknown", "settings"]
 
 
 def _where(name: str) -> str:
@@ -41,55 +44,85 @@ def _require(ok: bool, name: str, what: str, value: Any) -> None:
 
 
 @dataclass(kw_only=True)
+class CheckpointOptions:
+    """Where durable checkpoints go, how often, and how many stay."""
+
+    url: str = ""
+    """{store_urls} for checkpoints (default <run_dir>/checkpoints)."""
+    every: int = 0
+    """Durable checkpoint every N steps (0: only at the end of each epoch and of training)."""
+    keep_last: int = setting(3, aliases=("keep_last",))
+    """Durable checkpoints kept (the newest verified one is never removed)."""
+    keep_every: int = setting(0, aliases=("keep_every",))
+    """Also keep every checkpoint whose step is a multiple of this (0: none)."""
+    resume: bool = setting(True, aliases=("resume",))
+    """Resume from the newest verified checkpoint of this run, if there is one. With --no-resume
+    a run refuses to start while checkpoints exist at checkpoint_url (they are never rewritten);
+    `hvd-resilient run --fresh-start` or `hvd-resilient ckpt supersede` sets them aside first."""
+    store_wait_seconds: float = setting(60.0, aliases=("store_wait_seconds",))
+    """At start, how long an unreachable checkpoint store is retried before the run stops
+    (it never starts from scratch over checkpoints it could not read)."""
+    grace_seconds: float = setting(60.0, aliases=("grace_seconds",))
+    """On SIGTERM/SIGUSR1, time allowed for the final synchronous checkpoint."""
+    snapshot_reuse: bool = setting(True, aliases=("store_snapshot_reuse",))
+    """Reuse the snapshot buffers from one checkpoint to the next (false: give them back after
+    every checkpoint, paying the first touch of fresh memory each time)."""
+
+    def __post_init__(self) -> None:
+        _require(self.keep_last >= 1, "checkpoint_keep_last", ">= 1", self.keep_last)
+        for name in ("every", "keep_every", "store_wait_seconds"):
+            _require(getattr(self, name) >= 0, f"checkpoint_{name}", ">= 0",
+                     getattr(self, name))
+        _require(self.grace_seconds > 0, "checkpoint_grace_seconds", "> 0", self.grace_seconds)
+
+
+@dataclass(kw_only=True)
 class StoreOptions:
-    """How checkpoints are written to their store."""
+    """Settings of the checkpoint store, each read by the kind of store checkpoint_url
+    names; one set for a store that does not read it stops the run."""
 
     sse: str = ""
     """S3 server-side encryption of every object written: AES256 or aws:kms ('' : the
     bucket's default)."""
     sse_kms_key_id: str = ""
     """KMS key id or ARN for sse=aws:kms (implies it)."""
-    snapshot_reuse: bool = True
-    """Reuse the snapshot buffers from one checkpoint to the next (false: give them back after
-    every checkpoint, paying the first touch of fresh memory each time)."""
-    memory_tier: bool = True
-    """Keep every commit in host memory outside the process too (memory_dir), so a restart of
-    every worker resumes from the last commit instead of the last durable checkpoint
-    (docs/memory-tier.md). Off where memory_dir cannot be written, with an event."""
-    memory_dir: str = "/dev/shm/hvd_resilient"
+
+    def store_options(self, url: str) -> dict[str, Any]:
+        """Keyword arguments for `open_store(url, ...)`, checked by the store `url` names
+        (`checkpoint.stores.store_options`): encryption is refused for a store that cannot
+        do it rather than silently not applied."""
+        from hvd_resilient.checkpoint import stores
+
+        return stores.store_options(url, dataclasses.asdict(self))
+
+
+@dataclass(kw_only=True)
+class MemoryTierOptions:
+    """The memory tier: every commit also in host memory outside the process
+    (docs/memory-tier.md)."""
+
+    enabled: bool = setting(True, aliases=("store_memory_tier",))
+    """Keep every commit in host memory outside the process too (dir), so a restart of every
+    worker resumes from the last commit instead of the last durable checkpoint. Off where dir
+    cannot be written, with an event."""
+    dir: str = setting("/dev/shm/hvd_resilient", aliases=("store_memory_dir",))
     """Where the memory tier lives on each host: a RAM file system (or a fast local disk)."""
-    memory_max_bytes: int = 0
-    """Cap on the memory tier of each host, all runs together (0: half of memory_dir's file
+    max_bytes: int = setting(0, aliases=("store_memory_max_bytes",))
+    """Cap on the memory tier of each host, all runs together (0: half of dir's file
     system); a commit that does not fit is kept in the process only, with an event."""
-    memory_max_age_hours: float = 24.0
+    max_age_hours: float = setting(24.0, aliases=("store_memory_max_age_hours",))
     """Segments of runs idle this long are removed by the next job on the host."""
-    memory_scope: str = ""
+    scope: str = setting("", aliases=("store_memory_scope",))
     """Separates one history of a run from another in the memory tier (`hvd-resilient run
     --fresh-start` sets it, so a fresh start never resumes from the old history's memory)."""
 
     def __post_init__(self) -> None:
-        _require(self.memory_max_bytes >= 0, "store_memory_max_bytes", ">= 0",
-                 self.memory_max_bytes)
-        _require(self.memory_max_age_hours > 0, "store_memory_max_age_hours", "> 0",
-                 self.memory_max_age_hours)
-        _require(self.memory_dir.startswith("/"), "store_memory_dir", "an absolute path",
-                 self.memory_dir)
-        _require(all(c.isalnum() or c in "._-" for c in self.memory_scope),
-                 "store_memory_scope", "letters, digits, . _ - only", self.memory_scope)
-        if self.sse_kms_key_id and not self.sse:
-            self.sse = "aws:kms"
-        _require(self.sse in SSE_MODES, "store_sse", "AES256, aws:kms or empty", self.sse)
-        _require(not self.sse_kms_key_id or self.sse == "aws:kms", "store_sse_kms_key_id",
-                 "set only with store_sse=aws:kms", self.sse_kms_key_id)
-
-    def store_options(self, url: str) -> dict[str, Any]:
-        """Keyword arguments for `open_store(url, ...)`; encryption is refused for a store that
-        cannot do it rather than silently not applied."""
-        if not self.sse:
-            return {}
-        _require(url.startswith("s3://"), "store_sse", "empty for a non-S3 checkpoint_url",
-                 self.sse)
-        return {"sse": self.sse, "sse_kms_key_id": self.sse_kms_key_id or None}
+        _require(self.max_bytes >= 0, "memory_tier_max_bytes", ">= 0", self.max_bytes)
+        _require(self.max_age_hours > 0, "memory_tier_max_age_hours", "> 0",
+                 self.max_age_hours)
+        _require(self.dir.startswith("/"), "memory_tier_dir", "an absolute path", self.dir)
+        _require(all(c.isalnum() or c in "._-" for c in self.scope),
+                 "memory_tier_scope", "letters, digits, . _ - only", self.scope)
 
 
 @dataclass(kw_only=True)
@@ -110,8 +143,13 @@ class RecoveryOptions:
     heartbeat_timeout_seconds: float = 1.5
     """A peer silent this long is frozen or cut off and is evicted (0: no heartbeats; such
     failures then wait for the Gloo or process-group timeout)."""
+    host_check_every: int = 1
+    """Horovod elastic: every N steps the ranks ask whether discovery changed the hosts (one
+    one-element broadcast), so that a scale change waits for no commit (0: only at commits)."""
 
     def __post_init__(self) -> None:
+        _require(self.host_check_every >= 0, "recovery_host_check_every", ">= 0 (0: only at "
+                 "commits)", self.host_check_every)
         _require(self.pg_timeout_seconds > 0, "recovery_pg_timeout_seconds", "> 0",
                  self.pg_timeout_seconds)
         for name in ("progress_timeout_seconds", "heartbeat_timeout_seconds"):
@@ -237,15 +275,11 @@ class RecipeOptions:
                  "0 (off) or between 0 and 1", self.ema_decay)
 
 
-SECTIONS: dict[str, type] = {"store": StoreOptions, "recovery": RecoveryOptions,
-                             "observability": ObservabilityOptions, "data": DataOptions,
-                             "recipe": RecipeOptions}
-"""Section name -> its dataclass; a setting's flat name is `<section>_<field>`."""
-
-ENV_ALIASES = {"HVD_RESILIENT_SNAPSHOT_REUSE": "store_snapshot_reuse",
+ENV_ALIASES = {"HVD_RESILIENT_SNAPSHOT_REUSE": "checkpoint_snapshot_reuse",
                "HVD_RESILIENT_PG_TIMEOUT": "recovery_pg_timeout_seconds",
                "HVD_RESILIENT_LOG_LEVEL": "observability_log_level"}
-"""Environment names these settings had before they had a section; still read."""
+"""Environment names these settings had before they had a section; still read (the older
+flat names of a setting, `keep_last`, are read as flags, file keys and variables alike)."""
 
 
 @dataclass(kw_only=True)
@@ -256,8 +290,6 @@ class TrainConfig:
     """Names the run; a restarted job with the same id resumes from its checkpoints."""
     run_dir: str = ""
     """Folder for the event log (shared by all hosts). Default: runs/<run_id>."""
-    checkpoint_url: str = ""
-    """file:///path or s3://bucket/prefix for checkpoints (default <run_dir>/checkpoints)."""
     epochs: int = 1
     """Passes over the training data."""
     max_steps: int = 0
@@ -266,62 +298,43 @@ class TrainConfig:
     """Samples per worker per step."""
     commit_every: int = 10
     """In-memory commit every N steps: at most this many steps are redone after a worker dies."""
-    checkpoint_every: int = 0
-    """Durable checkpoint every N steps (0: only at the end of each epoch and of training)."""
-    keep_last: int = 3
-    """Durable checkpoints kept (the newest verified one is never removed)."""
-    keep_every: int = 0
-    """Also keep every checkpoint whose step is a multiple of this (0: none)."""
     seed: int = 0
     """Seeds the data order, the model init in the examples and every rank's random streams."""
     shuffle: bool = True
     """Shuffle the data order each epoch (deterministically from seed and epoch)."""
     lr_scaling: str = "none"
     """How the learning rate follows the world size: none, or linear (lr x world size)."""
-    resume: bool = True
-    """Resume from the newest verified checkpoint of this run, if there is one. With --no-resume
-    a run refuses to start while checkpoints exist at checkpoint_url (they are never rewritten);
-    `hvd-resilient run --fresh-start` or `hvd-resilient ckpt supersede` sets them aside first."""
     deterministic: bool = False
     """Bit-identical results at a fixed world size for any number of ranks (gradients reduced
     in one fixed order, whatever the timing); what it costs: docs/determinism.md."""
-    store_wait_seconds: float = 60.0
-    """At start, how long an unreachable checkpoint store is retried before the run stops
-    (it never starts from scratch over checkpoints it could not read)."""
-    grace_seconds: float = 60.0
-    """On SIGTERM/SIGUSR1, time allowed for the final synchronous checkpoint."""
     log_every: int = 50
     """Progress line every N steps on rank 0."""
     fsdp: bool = False
     """Shard parameters, gradients and optimizer state across ranks (FSDP2, torchrun only);
     checkpoints are then sharded too and reshard when resumed at another world size."""
+    fault: str = ""
+    """Fault injection for tests and benchmarks (`training/faults.py`):
+    `kill:rank=R:step=S[:at=step|upload]`, also `raise`, `abort`, `stall`, `hang`, `freeze`,
+    `sever` (a collective failure without a death), and `slow:rank=R:step=S:seconds=X` (that
+    process sleeps X s in every step from S on); several separated by commas, each fired once
+    per run."""
+    checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
     store: StoreOptions = field(default_factory=StoreOptions)
+    memory_tier: MemoryTierOptions = field(default_factory=MemoryTierOptions)
     recovery: RecoveryOptions = field(default_factory=RecoveryOptions)
     observability: ObservabilityOptions = field(default_factory=ObservabilityOptions)
     data: DataOptions = field(default_factory=DataOptions)
     recipe: RecipeOptions = field(default_factory=RecipeOptions)
 
     def __post_init__(self) -> None:
-        for name in ("epochs", "batch_size", "commit_every", "keep_last", "log_every"):
+        for name in ("epochs", "batch_size", "commit_every", "log_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(
                     f"config: {name} must be >= 1, got {getattr(self, name)} ({_where(name)})"
                 )
-        for name in ("max_steps", "checkpoint_every", "keep_every"):
-            if getattr(self, name) < 0:
-                raise ConfigError(
-                    f"config: {name} must be >= 0, got {getattr(self, name)} ({_where(name)})"
-                )
-        if self.store_wait_seconds < 0:
-            raise ConfigError(
-                f"config: store_wait_seconds must be >= 0, got {self.store_wait_seconds} "
-                f"({_where('store_wait_seconds')})"
-            )
-        if self.grace_seconds <= 0:
-            raise ConfigError(
-                f"config: grace_seconds must be > 0, got {self.grace_seconds} "
-                f"({_where('grace_seconds')})"
-            )
+        if self.max_steps < 0:
+            raise ConfigError(f"config: max_steps must be >= 0, got {self.max_steps} "
+                              f"({_where('max_steps')})")
         if self.lr_scaling not in LR_SCALING:
             raise ConfigError(
                 f"config: lr_scaling must be one of {', '.join(LR_SCALING)}, got "
@@ -337,37 +350,48 @@ class TrainConfig:
         if not self.run_dir:
             self.run_dir = str(Path("runs") / self.run_id)
         self.run_dir = str(Path(self.run_dir).absolute())
-        if not self.checkpoint_url:
-            self.checkpoint_url = Path(self.run_dir, "checkpoints").as_uri()
-        scheme = self.checkpoint_url.split("://", 1)[0] if "://" in self.checkpoint_url else ""
-        if scheme not in ("file", "s3"):
-            raise ConfigError(
-                f"config: checkpoint_url must start with file:// or s3://, got "
-                f"{self.checkpoint_url!r} ({_where('checkpoint_url')})"
-            )
-        self.store.store_options(self.checkpoint_url)  # sse on a file:// URL stops here
+        if not self.checkpoint.url:
+            self.checkpoint.url = Path(self.run_dir, "checkpoints").as_uri()
+        if not has_credentials(self.checkpoint.url):  # from_sources refuses those, masked
+            self._check_store()
         if self.fsdp and self.recipe.ema_decay:
             raise ConfigError("config: recipe_ema_decay needs a replicated model; with fsdp "
                               "keep the EMA in your own loop (--recipe-ema-decay / "
                               f"{ENV_PREFIX}RECIPE_EMA_DECAY)")
 
+    def _check_store(self) -> None:
+        """The checkpoint URL and the store settings, checked by the store the URL names
+        (before anything trains; nothing is opened): a bad one stops here, naming its
+        setting. Normalised values are kept (a KMS key implies sse=aws:kms)."""
+        from hvd_resilient.checkpoint import stores
+
+        if "://" not in self.checkpoint.url:  # a path would mean another place on each host
+            raise ConfigError(f"config: checkpoint_url must be a URL, {stores.SUPPORTED_URLS}, "
+                              f"got {self.checkpoint.url!r} ({_where('checkpoint_url')})")
+        try:
+            checked = stores.store_options(self.checkpoint.url, dataclasses.asdict(self.store))
+        except stores.StoreSettingError as e:
+            name = f"store_{e.setting}"
+            raise ConfigError(f"config: {name} {e.detail}, got {e.value!r} ({_where(name)})"
+                              ) from None
+        except stores.StoreConfigError as e:
+            raise ConfigError(f"config: checkpoint_url: {e} ({_where('checkpoint_url')})"
+                              ) from None
+        for f in dataclasses.fields(self.store):
+            if f.name in checked:
+                setattr(self.store, f.name, checked[f.name])
+
     # -- sources ------------------------------------------------------------------------
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        """Adds one flag per field; defaults are None so unset flags do not override."""
-        groups = {"": parser.add_argument_group("training config")}
-        groups[""].add_argument("--config", dest="config_file", default=None,
-                                help="YAML or JSON file with these fields")
-        for st in settings():
-            if st.section not in groups:
-                groups[st.section] = parser.add_argument_group(
-                    f"{st.section} ({SECTIONS[st.section].__doc__.strip().rstrip('.')})")
-            doc = f"{st.doc} (default: {st.default!r})"
-            if st.type == "bool":
-                groups[st.section].add_argument(st.flag, dest=st.name, default=None,
-                                                action=argparse.BooleanOptionalAction, help=doc)
-            else:
-                groups[st.section].add_argument(st.flag, dest=st.name, default=None, help=doc)
+        """Adds one flag per setting (and its older spellings); defaults are None so unset
+        flags do not override."""
+        titles = {"": "training config", **{
+            name: f"{name} ({(section.__doc__ or '').split('.')[0].strip()})"
+            for name, section in SECTIONS.items()}}
+        SCHEMA.add_arguments(parser, titles)
+        parser.add_argument("--config", dest="config_file", default=None,
+                            help="YAML or JSON file with these fields")
 
     @classmethod
     def from_sources(
@@ -378,42 +402,63 @@ class TrainConfig:
         env: Mapping[str, str] | None = None,
         **overrides: Any,
     ) -> TrainConfig:
-        """Merges defaults < file < environment < flags < overrides, then validates."""
+        """Merges defaults < file < environment < flags < overrides, then validates. A
+        setting's older names count where its current one is not given."""
         env = os.environ if env is None else env
-        values: dict[str, Any] = {}
-        file = file or (getattr(args, "config_file", None) if args else None)
-        if file or env.get(ENV_PREFIX + "CONFIG"):
-            values.update(_flatten(load_file(file or env[ENV_PREFIX + "CONFIG"])))
-        known = {st.name: st for st in settings()}
-        for old, name in ENV_ALIASES.items():
-            if old in env:
-                values[name] = env[old]
-        for name in known:
-            if ENV_PREFIX + name.upper() in env:
-                values[name] = env[ENV_PREFIX + name.upper()]
-        if args is not None:
-            for name in known:
-                v = getattr(args, name, None)
-                if v is not None:
-                    values[name] = v
-        values.update({k: v for k, v in _flatten(overrides).items() if v is not None})
-        refuse_unknown(values, set(known), "config")
+        file = file or (getattr(args, "config_file", None) if args else None) or \
+            env.get(ENV_PREFIX + "CONFIG")
+        values = SCHEMA.read(file=file, env=env, args=args, overrides=overrides)
         if env.get(SUPERVISED_ENV) == "1":
             _refuse_disagreement(values, env)
-        top: dict[str, Any] = {}
-        parts: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
-        for name, v in values.items():
-            st = known[name]
-            (parts[st.section] if st.section else top)[st.field] = _coerce(name, st.type, v)
-        sections = {section: SECTIONS[section](**kw) for section, kw in parts.items()}
-        cfg = cls(**top, **sections)
-        refuse_credentials(cfg.checkpoint_url,
+        cfg: TrainConfig = SCHEMA.build(values)
+        refuse_credentials(cfg.checkpoint.url,
                            f"config: checkpoint_url ({_where('checkpoint_url')})")
         return cfg
 
     def to_dict(self) -> dict[str, Any]:
         """The config as it may be recorded (the `start` event): credentials masked."""
         return scrub(dataclasses.asdict(self))
+
+
+SECTIONS: dict[str, type] = {"checkpoint": CheckpointOptions, "store": StoreOptions,
+                             "memory_tier": MemoryTierOptions, "recovery": RecoveryOptions,
+                             "observability": ObservabilityOptions, "data": DataOptions,
+                             "recipe": RecipeOptions}
+"""Section name -> its dataclass; a setting's flat name is `<section>_<field>`."""
+
+
+def doc_values() -> dict[str, str]:
+    """What `{store_urls}` in a setting's docstring stands for: the checkpoint URLs there are
+    stores for (imported when the docs are first needed, never at import)."""
+    from hvd_resilient.checkpoint.stores import SUPPORTED_URLS
+
+    return {"store_urls": SUPPORTED_URLS}
+
+
+SCHEMA = Schema("config", TrainConfig, SECTIONS, env_prefix=ENV_PREFIX,
+                env_aliases=ENV_ALIASES, doc_values=doc_values)
+"""Every setting of TrainConfig: its flags, its environment variables, its file keys."""
+
+OLDER_ATTRIBUTES = {"checkpoint_url": "url", "checkpoint_every": "every",
+                    "keep_last": "keep_last", "keep_every": "keep_every", "resume": "resume",
+                    "store_wait_seconds": "store_wait_seconds", "grace_seconds": "grace_seconds"}
+"""`cfg.keep_last` and the other settings that moved into `checkpoint`, still readable as
+attributes of the config (`cfg.checkpoint.keep_last`)."""
+
+
+def _older(name: str) -> property:
+    return property(lambda self: getattr(self.checkpoint, name),
+                    doc=f"`checkpoint.{name}` (its older place)")
+
+
+for _old, _new in OLDER_ATTRIBUTES.items():
+    setattr(TrainConfig, _old, _older(_new))
+
+
+def settings() -> list[Setting]:
+    """Every setting of TrainConfig and its sections, in declaration order (the flags, the
+    reference page and its test all come from here)."""
+    return SCHEMA.settings
 
 
 SUPERVISOR_OWNED = ("run_id", "run_dir", "checkpoint_url")
@@ -438,95 +483,6 @@ def _refuse_disagreement(values: Mapping[str, Any], env: Mapping[str, str]) -> N
                 "run only")
 
 
-@dataclass(frozen=True)
-class Setting:
-    """One setting as a user meets it: its flag, its environment variable, its default."""
-
-    name: str
-    """Flat name: the field, or `<section>_<field>`."""
-    section: str
-    field: str
-    type: str
-    default: Any
-    doc: str
-
-    @property
-    def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
-
-    @property
-    def env(self) -> str:
-        return ENV_PREFIX + self.name.upper()
-
-
-def settings() -> list[Setting]:
-    """Every setting of TrainConfig and its sections, in declaration order (the flags, the
-    reference page and its test all come from here)."""
-    out: list[Setting] = []
-    for cls, section in [(TrainConfig, ""), *((c, n) for n, c in SECTIONS.items())]:
-        docs = _docs_from_source(cls)
-        for f in fields(cls):
-            if section == "" and f.name in SECTIONS:
-                continue
-            t = f.type if isinstance(f.type, str) else f.type.__name__
-            default = f.default if f.default is not dataclasses.MISSING else None
-            out.append(Setting(f"{section}_{f.name}" if section else f.name, section, f.name, t,
-                               default, docs.get(f.name, "")))
-    return out
-
-
-def _flatten(values: Mapping[str, Any]) -> dict[str, Any]:
-    """`store: {sse: AES256}` -> `store_sse: AES256`; a section given as an object too."""
-    out: dict[str, Any] = {}
-    for key, v in values.items():
-        if key in SECTIONS and dataclasses.is_dataclass(v):
-            v = dataclasses.asdict(v)  # type: ignore[arg-type]
-        if key in SECTIONS and isinstance(v, Mapping):
-            out.update({f"{key}_{str(k).replace('-', '_')}": x for k, x in v.items()})
-        else:
-            out[key] = v
-    return out
-
-
-def _coerce(name: str, type_name: str, value: Any) -> Any:
-    try:
-        if type_name == "bool":
-            if isinstance(value, bool):
-                return value
-            s = str(value).strip().lower()
-            if s in ("1", "true", "yes", "on"):
-                return True
-            if s in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(value)
-        if type_name == "int":
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError(value)
-            return int(value)
-        if type_name == "float":
-            return float(value)
-        return str(value)
-    except (TypeError, ValueError):
-        raise ConfigError(
-            f"config: {name} must be a {type_name}, got {value!r} ({_where(name)})"
-        ) from None
-
-
-def refuse_unknown(values: Mapping[str, Any], known: set[str] | frozenset[str],
-                   what: str) -> None:
-    """One line naming each unknown key and the closest known one (a typo never passes
-    silently: `max_restart: 0` would otherwise leave the default in force)."""
-    unknown = sorted(set(values) - set(known))
-    if not unknown:
-        return
-    parts = []
-    for key in unknown:
-        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
-        parts.append(f"{key} (did you mean {close[0]}?)" if close else key)
-    raise ConfigError(f"{what}: unknown field{'s' if len(unknown) > 1 else ''} "
-                      f"{', '.join(parts)}; known: {', '.join(sorted(known))}")
-
-
 def refuse_credentials(url: str, what: str) -> None:
     """A checkpoint URL with user:password@ would put a secret into process lists, logs and
     events; the store refuses it anyway, so say so at once, masked."""
@@ -535,46 +491,3 @@ def refuse_credentials(url: str, what: str) -> None:
             f"{what}: {mask_url(url)} embeds credentials; use the AWS credential chain "
             "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE or an instance role) instead"
         )
-
-
-def load_file(path: str) -> dict[str, Any]:
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise ConfigError(f"config: cannot read config file {path}: {e.strerror}") from None
-    try:
-        if p.suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text)
-        else:
-            data = json.loads(text)
-    except Exception as e:  # yaml and json raise different types; both mean "fix the file"
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ConfigError(f"config: {path} is not valid {p.suffix or 'JSON'}: {first}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config: {path} must hold a mapping of field: value")
-    return {str(k).replace("-", "_"): v for k, v in data.items()}
-
-
-def _docs_from_source(cls: type) -> dict[str, str]:
-    """Field docstrings (the string under each field) become the --help texts."""
-    import ast
-    import inspect
-
-    out: dict[str, str] = {}
-    try:
-        tree = ast.parse(inspect.getsource(cls))
-    except (OSError, TypeError):
-        return out
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    for a, b in zip(body, body[1:], strict=False):
-        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(
-            getattr(b, "value", None), ast.Constant
-        ):
-            out[a.target.id] = " ".join(str(b.value.value).split())  # type: ignore[union-attr]
-    return out
-

@@ -1,8 +1,10 @@
-"""Errors a user or operator meets, each printed as one line by the CLI."""
+"""Errors a user or operator meets, and the exit codes they end a process with.
+
+Printed as one line by the entry points (`cli_errors.exit_on_error`); what a launcher sets in
+the environment is read in `launcher_env`, the `fatal` event in `fatal_events`."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import NoReturn
 
 # Every exit code the project gives a meaning to, in one place: launchers, the supervisor and
@@ -72,86 +74,8 @@ SUPERVISED_ENV = "HVD_RESILIENT_SUPERVISED"
 """Set to 1 by `hvd-resilient run` for the processes it launches: their fatal errors are
 recorded in the run's event log, and the supervisor prints the first one, once."""
 
-RANK_ENVS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "RANK", "SLURM_PROCID")
-"""Where a process finds its launcher rank before (or without) a backend: horovodrun, Open
-MPI, MPICH/Intel MPI, torchrun, srun."""
-
-
-SIZE_ENVS = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "WORLD_SIZE", "SLURM_NTASKS")
-
-
-def launcher_rank(env: Mapping[str, str] | None = None,
-                  names: tuple[str, ...] = RANK_ENVS) -> int | None:
-    """This process's rank as its launcher set it (None: not started by a known launcher)."""
-    import os
-
-    env = os.environ if env is None else env
-    for name in names:
-        value = env.get(name, "")
-        if value.isdigit():
-            return int(value)
-    return None
-
 
 def error_exit_code(e: BaseException) -> int:
     """A store error a retry may cure (endpoint down, throttled) exits 1 so that a launcher
     restarts it; every other user error is fatal (no restart fixes a wrong URL)."""
     return int(getattr(e, "exit_code", FATAL_EXIT_CODE))
-
-
-def _record_fatal(error: str, since: float) -> bool:
-    """Appends a `fatal` event to $HVD_RESILIENT_RUN_DIR/events.jsonl unless one with this
-    error was recorded since `since` (the trainer records its own); True once it is there."""
-    import os
-
-    run_dir = os.environ.get("HVD_RESILIENT_RUN_DIR", "")
-    if not run_dir:
-        return False
-    try:
-        from hvd_resilient.events import EventLog, read_recent_events
-
-        path = os.path.join(run_dir, "events.jsonl")
-        for ev in read_recent_events(path):
-            if ev["event"] == "fatal" and ev["ts"] >= since and ev.get("error") == error:
-                return True
-        rank, size = launcher_rank(), launcher_rank(names=SIZE_ENVS)
-        EventLog(path, rank=-1 if rank is None else rank, size=size or 0, step=-1).emit(
-            "fatal", error=error, restartable=False, pid=os.getpid(),
-            rank_source="launcher environment")
-        return True
-    except Exception:  # a full disk or a vanished run folder: print the line instead
-        return False
-
-
-def exit_on_error(main):  # type: ignore[no-untyped-def]
-    """Wraps a main(): our own errors, and the checkpoint store's, become one line on stderr
-    and their exit code; credentials are masked, there is no traceback.
-
-    Under `hvd-resilient run` (HVD_RESILIENT_SUPERVISED=1) an error no restart fixes is
-    recorded as a `fatal` event in the run's event log instead of being printed by every rank:
-    the supervisor prints the first fatal error once, in its last line. It is printed here
-    when it cannot be recorded, or for errors a restart may fix."""
-    import functools
-    import os
-    import sys
-    import time
-
-    @functools.wraps(main)
-    def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
-        from hvd_resilient.masking import install_log_scrubber, mask_text
-
-        install_log_scrubber()
-        since = time.time()
-        try:
-            return main(*args, **kwargs)
-        except HvdResilientError as e:
-            error = mask_text(" ".join(str(e).split()) or type(e).__name__)
-            code = error_exit_code(e)
-            recorded = (code == FATAL_EXIT_CODE and os.environ.get(SUPERVISED_ENV) == "1"
-                        and _record_fatal(error, since))
-            if not recorded:
-                print(f"hvd-resilient: error: {error}", file=sys.stderr, flush=True)
-            raise SystemExit(code) from None
-
-    return wrapper
-

@@ -25,8 +25,10 @@ class _RankFilter(logging.Filter):
 _handler: logging.Handler | None = None
 
 
-def setup(rank_fn=lambda: os.environ.get("HOROVOD_RANK", "?"), level: str | None = None) -> None:
-    """Installs one handler on the `hvd_resilient` logger; rank != 0 logs WARNING and above."""
+def setup(rank_fn=lambda: os.environ.get("HOROVOD_RANK", "?"), level: str = "INFO") -> None:
+    """Installs one handler on the `hvd_resilient` logger; rank != 0 logs WARNING and above.
+    ``level`` is rank 0's (the trainer passes `observability.log_level`, read by the config:
+    nothing here reads it from the environment)."""
     global _handler
     logger = logging.getLogger("hvd_resilient")
     if _handler is not None:
@@ -36,8 +38,6 @@ def setup(rank_fn=lambda: os.environ.get("HOROVOD_RANK", "?"), level: str | None
     _handler.addFilter(_RankFilter(rank_fn))
     logger.addHandler(_handler)
     logger.propagate = False
-    if level is None:
-        level = os.environ.get("HVD_RESILIENT_LOG_LEVEL", "INFO")
     try:
         rank = int(rank_fn())
     except (TypeError, ValueError):

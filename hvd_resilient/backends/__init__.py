@@ -15,29 +15,34 @@ from hvd_resilient.config import RecoveryOptions
 from hvd_resilient.errors import ConfigError
 
 Factory = Callable[..., Backend]
-"""Builds a backend from ``fsdp=`` and ``recovery=`` (a `RecoveryOptions`)."""
+"""Builds a backend from ``fsdp=``, ``recovery=`` (a `RecoveryOptions`) and
+``deterministic=``."""
 
 
-def _horovod(*, fsdp: bool, recovery: RecoveryOptions) -> Backend:
+def _horovod(*, fsdp: bool, recovery: RecoveryOptions, deterministic: bool) -> Backend:
     from hvd_resilient.backends.horovod.backend import HorovodBackend
 
-    return HorovodBackend(heartbeat_timeout_s=recovery.heartbeat_timeout_seconds)
+    return HorovodBackend(heartbeat_timeout_s=recovery.heartbeat_timeout_seconds,
+                          deterministic=deterministic,
+                          host_check_every=recovery.host_check_every)
 
 
-def _torchrun(*, fsdp: bool, recovery: RecoveryOptions) -> Backend:
+def _torchrun(*, fsdp: bool, recovery: RecoveryOptions, deterministic: bool) -> Backend:
     from hvd_resilient.backends.torchrun.backend import TorchDistBackend
 
     return TorchDistBackend(fsdp=fsdp, pg_timeout_seconds=recovery.pg_timeout_seconds,
-                            heartbeat_timeout_s=recovery.heartbeat_timeout_seconds)
+                            heartbeat_timeout_s=recovery.heartbeat_timeout_seconds,
+                            deterministic=deterministic)
 
 
-def _inplace(*, fsdp: bool, recovery: RecoveryOptions) -> Backend:
+def _inplace(*, fsdp: bool, recovery: RecoveryOptions, deterministic: bool) -> Backend:
     from hvd_resilient.backends.inplace.backend import InPlaceBackend
 
     if fsdp:
         raise ConfigError("--fsdp is not supported by the inplace backend yet; use torchrun")
     return InPlaceBackend(pg_timeout_seconds=recovery.pg_timeout_seconds,
-                          heartbeat_timeout_s=recovery.heartbeat_timeout_seconds)
+                          heartbeat_timeout_s=recovery.heartbeat_timeout_seconds,
+                          deterministic=deterministic)
 
 
 _REGISTRY: dict[str, Factory] = {"horovod": _horovod, "torchrun": _torchrun,
@@ -70,12 +75,16 @@ def detect(env: Mapping[str, str] = os.environ) -> str:
 
 
 def get(name: str | Backend | None = None, *, fsdp: bool = False,
-        recovery: RecoveryOptions | None = None) -> Backend:
+        recovery: RecoveryOptions | None = None, deterministic: bool = False) -> Backend:
     """The backend called ``name`` (default: the launcher's), or ``name`` itself when it is a
     backend instance. ``fsdp`` shards the model (torchrun only: asking for it on Horovod is a
     ConfigError, before anything starts); ``recovery`` carries the detection settings
-    (timeouts, heartbeats) from the config."""
+    (timeouts, heartbeats) from the config; ``deterministic`` reduces gradients in a fixed
+    order (a backend instance must have been built with it: it is never switched on later)."""
     if isinstance(name, Backend):
+        if deterministic and not name.deterministic:
+            raise ConfigError(f"--deterministic: the {name.name} backend passed in was built "
+                              "without deterministic=True")
         return name
     recovery = recovery or RecoveryOptions()
     name = name or detect()
@@ -85,7 +94,7 @@ def get(name: str | Backend | None = None, *, fsdp: bool = False,
         from hvd_resilient.backends.torchrun.fsdp import require_torchrun
 
         require_torchrun(name)
-    return _REGISTRY[name](fsdp=fsdp, recovery=recovery)
+    return _REGISTRY[name](fsdp=fsdp, recovery=recovery, deterministic=deterministic)
 
 
 __all__ = ["Backend", "NAMES", "detect", "get", "names", "register"]

@@ -16,6 +16,14 @@ class Backend(abc.ABC):
     """True when backward() itself waits for the gradient allreduce (DDP, FSDP); False when
     it only starts it and optimizer.step() waits (Horovod). Tells the progress watchdog where
     a rank waits for its peers."""
+    deterministic: bool = False
+    """Reduce gradients in a fixed order and use deterministic local math (docs/
+    determinism.md): given to the constructor (`backends.get(..., deterministic=)`, from
+    `TrainConfig.deterministic`), never read from the environment."""
+    coordinator: tuple[str, int] | None = None
+    """The address every rank reaches the job's rendezvous at (torchrun: MASTER_ADDR and
+    MASTER_PORT, read by `init`); the interface this host reaches it from is the one its
+    peers can reach it on. None: the backend does not know one."""
 
     @abc.abstractmethod
     def init(self, comm: Any | None = None) -> None: ...

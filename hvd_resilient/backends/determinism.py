@@ -1,6 +1,7 @@
 """Bit-identical training at a fixed world size: every gradient is reduced in an order that
-does not depend on timing (`TrainConfig.deterministic`, `--deterministic`,
-`HVD_RESILIENT_DETERMINISTIC=1`).
+does not depend on timing (`TrainConfig.deterministic`: `--deterministic`,
+`HVD_RESILIENT_DETERMINISTIC=1` or `deterministic: true`, read once by the config and handed
+to the backend as an argument, `backends.get(..., deterministic=)`).
 
 Why runs differ without it (measured, docs/determinism.md): a ring allreduce over N ranks
 splits its buffer into N segments, and the order in which the N contributions to an element
@@ -34,61 +35,35 @@ work by thread count.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, MutableMapping
+from collections.abc import MutableMapping
 from typing import Any
 
-from hvd_resilient.errors import ConfigError
-
-ENV = "HVD_RESILIENT_DETERMINISTIC"
 FUSION = "HOROVOD_FUSION_THRESHOLD"
 GROUP_FUSION_OFF = "HOROVOD_DISABLE_GROUP_FUSION"
 HOROVOD_DEFAULT_FUSION = str(128 * 1024 * 1024)
 """Horovod 0.28's fusion threshold when none is set."""
-_USER_FUSION = "HVDR_USER_FUSION_THRESHOLD"
-"""Where `apply` keeps the user's HOROVOD_FUSION_THRESHOLD ("" when unset) while it holds fusion
-off, so that `horovod_env(ordered=True)` can give it back."""
 CUBLAS_ENV = ("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 GRADIENTS_NAME = "hvd_resilient.gradients"
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off", "")
-
-
-def enabled(env: Mapping[str, str] | None = None) -> bool:
-    """True when HVD_RESILIENT_DETERMINISTIC says so (the values TrainConfig accepts)."""
-    env = os.environ if env is None else env
-    value = env.get(ENV, "").strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ConfigError(f"config: deterministic must be a bool, got {env[ENV]!r} (from {ENV})")
-
 
 def apply(on: bool = True, env: MutableMapping[str, str] | None = None) -> bool:
-    """Turns deterministic reductions on for this process and everything it starts later; call
-    it before the backend initialises (the trainer does, from `cfg.deterministic`). Off does
-    nothing (it never undoes a setting). Returns `on`.
-
-    Sets HVD_RESILIENT_DETERMINISTIC=1 (the backends read it at init and wrap, and it outlives
-    elastic re-inits), HOROVOD_FUSION_THRESHOLD=0 (safe for any Horovod optimizer, so for a
-    loop that calls `hvd.init()` itself; the Horovod backend turns fusion back on for its own
-    ordered optimizer, `horovod_env`), the cuBLAS workspace setting where it is unset, and
-    torch's deterministic algorithms."""
+    """Deterministic local math for this process: torch's deterministic algorithms, cuDNN
+    autotuning off, and the cuBLAS workspace setting its deterministic mode needs (in the
+    environment, where unset: cuBLAS reads it there, also in processes started later). Each
+    backend calls it at init when it was built with ``deterministic=True``; off does nothing
+    (it never undoes a setting). Returns ``on``."""
     if not on:
         return False
     env = os.environ if env is None else env
-    env[ENV] = "1"
-    env.setdefault(_USER_FUSION, env.get(FUSION, ""))
-    env[FUSION] = "0"
     env.setdefault(*CUBLAS_ENV)
     _deterministic_local_math()
     return True
 
 
 def horovod_env(ordered: bool, env: MutableMapping[str, str] | None = None) -> None:
-    """Sets what the next `hvd.init()` reads (and every elastic re-init after it), for
-    deterministic mode; call after `apply`.
+    """Sets what the next `hvd.init()` reads (and every elastic re-init after it: Horovod
+    reads these from the environment), for deterministic mode; call it once, before
+    `hvd.init()` (`backends.horovod.init.init(deterministic=True)` does).
 
     ``ordered=False`` (any optimizer, e.g. a plain `hvd.DistributedOptimizer`): tensor fusion
     off, every tensor reduced alone; a user's other HOROVOD_FUSION_THRESHOLD is overridden,
@@ -98,7 +73,7 @@ def horovod_env(ordered: bool, env: MutableMapping[str, str] | None = None) -> N
     in the environment, the user's or Horovod's default, so that HOROVOD_AUTOTUNE cannot move
     the split points."""
     env = os.environ if env is None else env
-    user = env.get(_USER_FUSION, env.get(FUSION, ""))
+    user = env.get(FUSION, "")
     if ordered:
         env[FUSION] = user or HOROVOD_DEFAULT_FUSION
         env[GROUP_FUSION_OFF] = "1"

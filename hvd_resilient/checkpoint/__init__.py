@@ -1,17 +1,15 @@
-"""Durable checkpoints: ``file://`` and ``s3://`` stores, manifests, an async writer.
+"""Durable checkpoints: ``file://`` and ``s3://`` stores, manifests, the manager (save, prune)
+over a reader (list, verify, load), supersede, an async writer.
 
 Pure storage and serialization: nothing here imports Horovod or torch.distributed, and torch
 and boto3 are imported only when first needed. The exceptions are ``sharded`` and ``dcp_safe``
 (FSDP checkpoints through ``torch.distributed.checkpoint``), which this package does not import.
 """
 
-from hvd_resilient.checkpoint.manager import (
-    CheckpointCorruptError,
-    CheckpointError,
-    CheckpointManager,
-    ScanResult,
-)
+from hvd_resilient.checkpoint.errors import CheckpointCorruptError, CheckpointError
+from hvd_resilient.checkpoint.manager import CheckpointManager
 from hvd_resilient.checkpoint.manifest import MANIFEST_NAME, CheckpointInfo, FileEntry, step_dir
+from hvd_resilient.checkpoint.reader import CheckpointReader, ScanResult
 from hvd_resilient.checkpoint.serialize import (
     CheckpointMismatchError,
     check_state_dict_keys,
@@ -40,6 +38,7 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointManager",
     "CheckpointMismatchError",
+    "CheckpointReader",
     "CheckpointStore",
     "FileEntry",
     "ScanResult",

@@ -17,15 +17,13 @@ import sys
 import time
 from typing import Any, TextIO
 
-from hvd_resilient.checkpoint.manager import (
-    CheckpointError,
-    CheckpointManager,
-    ScanResult,
-    default_supersede_tag,
-)
+from hvd_resilient.checkpoint.errors import CheckpointError
+from hvd_resilient.checkpoint.manager import CheckpointManager
 from hvd_resilient.checkpoint.manifest import SHARDED, CheckpointInfo, step_dir
 from hvd_resilient.checkpoint.memory.listing import HeldRun, default_root, held_segments
-from hvd_resilient.checkpoint.stores import StoreError, redact_url
+from hvd_resilient.checkpoint.reader import ScanResult
+from hvd_resilient.checkpoint.stores import SUPPORTED_URLS, StoreError, redact_url
+from hvd_resilient.checkpoint.supersede import default_supersede_tag
 
 HEADER = ("STEP", "EPOCH", "WORLD", "CREATED (UTC)", "SIZE", "FILES", "LAYOUT", "STATE")
 MEMORY_HEADER = ("STEP", "EPOCH", "WORLD", "CREATED (UTC)", "SIZE", "OWNER", "RUN", "STATE")
@@ -250,12 +248,12 @@ def _parser() -> argparse.ArgumentParser:
     }
     for name, text in helps.items():
         sp = sub.add_parser(name, help=text, description=text)
-        sp.add_argument("url", help="file:///path, s3://bucket/prefix or a path")
+        sp.add_argument("url", help=f"{SUPPORTED_URLS}, or a path")
         sp.add_argument("--endpoint-url", help="S3-compatible endpoint (default: AWS chain)")
         if name == "list":
             sp.add_argument("--memory-dir", metavar="DIR",
                             help="this host's memory tier (default: "
-                                 "$HVD_RESILIENT_STORE_MEMORY_DIR, else "
+                                 "$HVD_RESILIENT_MEMORY_TIER_DIR, else "
                                  "/dev/shm/hvd_resilient)")
             sp.add_argument("--json", action="store_true",
                             help="print one JSON object instead of tables")

@@ -11,7 +11,7 @@ with ``torch.frombuffer`` and ``memoryview`` all hold a reference to it, so a bu
 being hashed or uploaded is never handed out again. The cost is memory: between checkpoints
 the pool keeps one set of buffers (the size of one snapshot) that a fresh allocation would
 have returned; ``HVD_RESILIENT_SNAPSHOT_REUSE=0`` turns reuse off where that memory is
-tighter than the stall (the `store.snapshot_reuse` setting).
+tighter than the stall (the `checkpoint.snapshot_reuse` setting).
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ class HostBufferPool:
 
 
 # Refcounts tell when a buffer is free only on CPython. The trainer turns reuse off when the
-# config says so (`store.snapshot_reuse`).
+# config says so (`checkpoint.snapshot_reuse`).
 _POOL = HostBufferPool(enabled=sys.implementation.name == "cpython")
 
 

@@ -10,9 +10,16 @@ from __future__ import annotations
 
 import copy
 import io
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple, TypeVar
+
+from hvd_resilient.checkpoint.tree import map_leaves
+
+__all__ = [  # map_leaves: its home is checkpoint.tree; still importable from here
+    "BufferReader", "CheckpointMismatchError", "TensorSpec", "alias_key", "check_state_dict",
+    "check_state_dict_keys", "from_bytes", "map_leaves", "snapshot_state_dict", "to_buffer",
+    "to_bytes",
+]
 
 T = TypeVar("T")
 
@@ -85,29 +92,6 @@ def from_bytes(data: bytes | bytearray | memoryview, *, weights_only: bool = Tru
     import torch
 
     return torch.load(BufferReader(data), weights_only=weights_only, map_location="cpu")
-
-
-def map_leaves(obj: Any, leaf: Callable[[Any, tuple[Any, ...]], Any],
-               path: tuple[Any, ...] = ()) -> Any:
-    """Rebuild the containers of a state dict (dicts, lists, tuples, named tuples), passing
-    every other value with its key path to ``leaf`` and putting back what it returns.
-
-    ``OrderedDict._metadata`` (module versions that ``load_state_dict`` reads) is kept.
-    """
-    if isinstance(obj, dict):
-        out: dict[Any, Any] = OrderedDict() if isinstance(obj, OrderedDict) else {}
-        for k, v in obj.items():
-            out[k] = map_leaves(v, leaf, (*path, k))
-        meta = getattr(obj, "_metadata", None)
-        if meta is not None and isinstance(out, OrderedDict):
-            out._metadata = copy.deepcopy(meta)  # type: ignore[attr-defined]
-        return out
-    if isinstance(obj, list):
-        return [map_leaves(v, leaf, (*path, i)) for i, v in enumerate(obj)]
-    if isinstance(obj, tuple):
-        items = [map_leaves(v, leaf, (*path, i)) for i, v in enumerate(obj)]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    return leaf(obj, path)
 
 
 def snapshot_state_dict(sd: T) -> T:

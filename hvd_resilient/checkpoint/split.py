@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hvd_resilient.checkpoint.host_buffers import HostBufferPool, pool
-from hvd_resilient.checkpoint.serialize import alias_key, from_bytes, map_leaves
+from hvd_resilient.checkpoint.serialize import alias_key, from_bytes
+from hvd_resilient.checkpoint.tree import map_leaves
 
 #: The single-file layout of older checkpoints (still what :func:`join_state` accepts).
 LEGACY_FILE = "state.pt"
@@ -177,7 +178,7 @@ def warm_buffers(state: Any, part_bytes: int = PART_BYTES,
 
 
 def decode_file(name: str, data: Any) -> Any:
-    """The ``decode`` for :meth:`CheckpointManager.load`, run on each file once its digest
+    """The ``decode`` for :meth:`CheckpointReader.load`, run on each file once its digest
     matched: a raw part stays the downloaded buffer itself (which tells the loader never to
     recycle it: its tensors will be views of it), any other file is
     ``torch.load(weights_only=True)``-ed while later files download."""

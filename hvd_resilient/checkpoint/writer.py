@@ -17,12 +17,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hvd_resilient.checkpoint.manager import (
-    CheckpointExistsError,
-    CheckpointManager,
-    EventFn,
-    emit,
-)
+from hvd_resilient.checkpoint.errors import CheckpointExistsError
+from hvd_resilient.checkpoint.events import EventFn, emit
+from hvd_resilient.checkpoint.manager import CheckpointManager
 from hvd_resilient.checkpoint.manifest import CheckpointInfo, step_dir
 from hvd_resilient.checkpoint.serialize import to_buffer
 from hvd_resilient.errors import one_line

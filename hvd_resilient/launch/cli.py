@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shlex
 import socket
@@ -16,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hvd_resilient.config import TrainConfig, load_file, refuse_credentials, refuse_unknown
+from hvd_resilient.config import CheckpointOptions, TrainConfig, refuse_credentials
 from hvd_resilient.errors import SUPERVISED_ENV, ConfigError, LaunchError
 from hvd_resilient.launch.commands import (
     horovodrun_static,
@@ -26,18 +27,16 @@ from hvd_resilient.launch.commands import (
     torchrun_command,
 )
 from hvd_resilient.launch.horovod.command import ElasticLaunch, horovodrun_command
+from hvd_resilient.launch.run_options import BACKENDS, RUN
 from hvd_resilient.launch.supervisor import Supervisor
 from hvd_resilient.masking import has_credentials, mask_env, mask_text, mask_url
+from hvd_resilient.settings import load_file
 
-BACKENDS = ("horovod", "mpi", "torchrun", "inplace")
+__all__ = ["BACKENDS", "build_parser", "launcher_command", "main", "resolve"]
+
 FORWARDED_PREFIXES = ("HVD_RESILIENT_", "AWS_", "PYTHONPATH", "OMP_NUM_THREADS")
-
-DEFAULTS: dict[str, Any] = {
-    "backend": "horovod", "np": 2, "max_restarts": 3, "gloo_timeout_seconds": 30,
-    "run_id": "run", "ssh_port": 22, "elastic_timeout": 600, "torchrun_restarts": 3,
-    "blacklist_cooldown_range": [10, 30], "nnodes": "1", "rdzv_endpoint": "127.0.0.1:29400",
-    "slot_hosts": True, "fresh_start": False, "dry_run": False, "replace": False,
-}
+MEMORY_SCOPE_ENV = "HVD_RESILIENT_MEMORY_TIER_SCOPE"
+"""The workers' `memory_tier_scope`, which --fresh-start sets for them."""
 
 
 def parse_hosts(spec: str) -> list[tuple[str, int]]:
@@ -84,171 +83,59 @@ def check_hosts_reachable(hosts: list[tuple[str, int]], ssh_port: int) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Every default is None here (the config file may set it); the real defaults are DEFAULTS,
-    named in each help line."""
-    d = DEFAULTS
+    """One flag per option of `RunOptions` (run_options.py), each default None: the config
+    file may set it; the real default is named in each help line."""
     p = argparse.ArgumentParser(prog="hvd-resilient run", description=__doc__.splitlines()[0])
     p.add_argument("--config", metavar="FILE",
                    help="YAML or JSON file with any of these options, named as here without "
                         "the dashes (max_restarts: 5); flags given here win (default: none)")
-    p.add_argument("--backend", choices=BACKENDS,
-                   help="the launcher: horovod (Horovod Elastic with --discovery, else static "
-                        f"horovodrun), mpi (mpirun), torchrun, or inplace (torch.distributed, "
-                        f"survivors keep their processes; one machine) "
-                        f"(default {d['backend']})")
-    p.add_argument("--hosts", help="static hosts host:slots,..., e.g. h1:2,h2:2 "
-                                   "(default: this machine)")
-    p.add_argument("--discovery", metavar="SCRIPT",
-                   help="host-discovery executable printing host:slots lines; makes a horovod "
-                        "job elastic (default: none, a static job)")
-    p.add_argument("--np", type=int,
-                   help=f"processes to start; with --discovery the first world size; torchrun: "
-                        f"processes per node (default {d['np']})")
-    p.add_argument("--min-np", type=int,
-                   help="horovod with --discovery, or with --hosts (elastic on fixed hosts, "
-                        "as horovodrun -H with --min-np), or inplace: train on down to "
-                        "this many processes (default 1)")
-    p.add_argument("--max-np", type=int,
-                   help="horovod with --discovery or elastic --hosts: grow up to this many "
-                        "processes (default: --np)")
-    p.add_argument("--checkpoint", metavar="URL",
-                   help="durable checkpoints: file:///path or s3://bucket/prefix, credentials "
-                        "never in it (default <run-dir>/checkpoints)")
-    p.add_argument("--run-id",
-                   help="names the run; a relaunch with the same id resumes from its "
-                        f"checkpoints (default {d['run_id']})")
-    p.add_argument("--run-dir", help="folder for the event log, shared by all hosts "
-                                     "(default runs/<run-id>)")
-    p.add_argument("--max-restarts", type=int,
-                   help=f"full relaunches after failures before giving up "
-                        f"(default {d['max_restarts']})")
-    p.add_argument("--fresh-start", action="store_true", default=None,
-                   help="before the first launch only, set the checkpoints at --checkpoint "
-                        "aside (superseded-<UTC time>) so that training starts from step 0; "
-                        "relaunches resume as usual (default: resume from them)")
-    p.add_argument("--replace", action="store_true", default=None,
-                   help="inplace: start a new worker for each one lost; it joins the others "
-                        "at their next commit once it is up (default: train on without it)")
-    p.add_argument("--network-interface", metavar="NIC",
-                   help="horovod: the interface Gloo uses, e.g. eth0; lo on one machine "
-                        "(default: Horovod finds a common one across hosts)")
-    p.add_argument("--ssh-port", type=int,
-                   help=f"ssh port of remote --hosts, checked before launch "
-                        f"(default {d['ssh_port']})")
-    p.add_argument("--gloo-timeout-seconds", type=int,
-                   help="horovod: seconds a collective waits for a lost peer before the "
-                        f"survivors reset (default {d['gloo_timeout_seconds']})")
-    p.add_argument("--reset-limit", type=int,
-                   help="horovod: stop after this many resets (default: no limit)")
-    p.add_argument("--elastic-timeout", type=int,
-                   help="horovod: seconds to wait for --min-np slots "
-                        f"(default {d['elastic_timeout']})")
-    p.add_argument("--blacklist-cooldown-range", type=int, nargs=2, metavar=("MIN", "MAX"),
-                   help="horovod: a failed slot is readmitted after MIN..MAX s; 0 0: never "
-                        "(plain horovodrun's default) (default 10 30)")
-    p.add_argument("--no-slot-hosts", dest="slot_hosts", action="store_false", default=None,
-                   help="horovod: blacklist whole hosts on a failure, as plain horovodrun does "
-                        "(default: per slot, so one dead worker never ends a one-host job)")
-    p.add_argument("--nnodes", help=f"torchrun: N or MIN:MAX nodes (default {d['nnodes']})")
-    p.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
-                   help="torchrun: where the c10d rendezvous listens "
-                        f"(default {d['rdzv_endpoint']})")
-    p.add_argument("--torchrun-restarts", type=int,
-                   help="torchrun: in-job restarts before the supervisor relaunches "
-                        f"(default {d['torchrun_restarts']})")
-    p.add_argument("--dry-run", action="store_true", default=None,
-                   help="print the launcher command and its environment (credentials masked), "
-                        "then exit (default: launch)")
-    p.add_argument("command", nargs=argparse.REMAINDER,
-                   help="the training command after --, e.g. -- python train.py ARGS")
+    RUN.add_arguments(p)
     return p
 
 
-def _file_options(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
-    """The config file's options, each named as a flag's dest and of that flag's type; an
-    unknown key (a typo such as `max_restart`) is refused, naming the closest known one."""
-    actions = {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
-    raw = load_file(path)
-    if "no_slot_hosts" in raw:  # the flag's own name, for a file written from the --help
-        raw.setdefault("slot_hosts", not _as_bool("no_slot_hosts", raw.pop("no_slot_hosts")))
-    refuse_unknown(raw, set(actions), f"run: config file {path}")
-    out: dict[str, Any] = {}
-    for key, value in raw.items():
-        if value is None:
-            continue
-        action = actions[key]
-        where = f"run: config file {path}: {key}"
-        if key == "command":
-            out[key] = shlex.split(value) if isinstance(value, str) else _str_list(where, value)
-        elif action.nargs == 2:
-            if not isinstance(value, list) or len(value) != 2:
-                raise ConfigError(f"{where} must be a list of two numbers, got {value!r}")
-            out[key] = [_as_int(where, v) for v in value]
-        elif action.type is int:
-            out[key] = _as_int(where, value)
-        elif isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
-            out[key] = _as_bool(where, value)
-        elif action.choices and value not in action.choices:
-            raise ConfigError(f"{where} must be one of {', '.join(action.choices)}, "
-                              f"got {value!r}")
-        else:
-            out[key] = str(value)
-    return out
-
-
-def _as_int(where: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).lstrip(
-            "-").isdigit():
-        raise ConfigError(f"{where} must be a whole number, got {value!r}")
-    return int(value)
-
-
-def _as_bool(where: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    raise ConfigError(f"{where} must be true or false, got {value!r}")
-
-
-def _str_list(where: str, value: Any) -> list[str]:
-    if not isinstance(value, list) or not all(isinstance(v, (str, int, float)) for v in value):
-        raise ConfigError(f"{where} must be a list of words or one string, got {value!r}")
-    return [str(v) for v in value]
+def _file_values(path: str) -> dict[str, Any]:
+    """The config file's options as written; `no_slot_hosts` (the flag's own name, for a
+    file written from the --help) reads as the negation of `slot_hosts`."""
+    raw = load_file(path, "run")
+    if "no_slot_hosts" in raw:
+        st = RUN.by_name()["slot_hosts"]
+        off = RUN.coerce(st, raw.pop("no_slot_hosts"), f"config file {path}: no_slot_hosts")
+        if off is not None:
+            raw.setdefault("slot_hosts", not off)
+    return raw
 
 
 def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None
             ) -> dict[str, Any]:
-    """Defaults < config file < flags; the result is validated before anything starts."""
-    opts = dict(DEFAULTS)
-    if args.config:
-        opts.update(_file_options(args.config, parser or build_parser()))
-    flags = {k: v for k, v in vars(args).items() if v is not None and k != "config"}
-    if not flags.get("command"):
-        flags.pop("command", None)  # no `-- cmd` on the command line: the file's stands
-    opts.update(flags)
+    """Defaults < config file < flags; the result is validated before anything starts.
+    (``parser`` is accepted for callers that built their own; the options are RunOptions'.)"""
+    file = getattr(args, "config", None)
+    values = RUN.read(file=file, file_values=_file_values(file) if file else None, args=args)
+    opts: dict[str, Any] = dataclasses.asdict(RUN.build(values))
     cmd = list(opts.get("command") or [])
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     if not cmd:
         raise ConfigError("run: no training command; add it after --, e.g. -- python train.py")
     opts["command"] = cmd
-    if opts["backend"] not in BACKENDS:
-        raise ConfigError(f"run: --backend must be one of {', '.join(BACKENDS)}")
     if opts.get("discovery") and opts.get("hosts"):
         raise ConfigError("run: give --hosts or --discovery, not both")
     if opts.get("discovery") and opts["backend"] != "horovod":
         raise ConfigError("run: --discovery needs --backend horovod (torchrun and MPI find "
                           "their hosts themselves)")
     check_sizes(opts)
+    refuse_credentials(opts["checkpoint"], "run: --checkpoint")
+    if opts["checkpoint"]:
+        check_url(opts["checkpoint"])
     # The training config the workers will build: validated here, once, before any launch.
     cfg = TrainConfig(run_id=opts["run_id"], run_dir=opts.get("run_dir") or "",
-                      checkpoint_url=opts.get("checkpoint") or "")
-    refuse_credentials(cfg.checkpoint_url, "run: --checkpoint")
+                      checkpoint=CheckpointOptions(url=opts["checkpoint"]))
     secret = [a for a in cmd if has_credentials(a)]
     if secret:
         raise ConfigError(f"run: the training command carries credentials in "
                           f"{mask_url(secret[0])}; process lists and logs would show them: use "
                           "the AWS credential chain (AWS_ACCESS_KEY_ID / AWS_PROFILE) instead")
-    opts["run_dir"], opts["checkpoint"] = cfg.run_dir, cfg.checkpoint_url
+    opts["run_dir"], opts["checkpoint"] = cfg.run_dir, cfg.checkpoint.url
     return opts
 
 
@@ -356,6 +243,16 @@ def check_discovery(script: str) -> None:
         raise LaunchError(f"discovery script {script} printed no hosts: no slots to run on")
 
 
+def check_url(url: str) -> None:
+    """What the store can tell of --checkpoint without opening it (scheme, bucket)."""
+    from hvd_resilient.checkpoint import stores
+
+    try:
+        stores.check_url(url)
+    except stores.StoreConfigError as e:
+        raise ConfigError(f"run: --checkpoint: {e}") from None
+
+
 def check_store(url: str) -> None:
     """Missing bucket, bad credentials: one line now, not a crash on every rank later."""
     from hvd_resilient.checkpoint.stores import StoreError, open_store
@@ -369,7 +266,11 @@ def check_store(url: str) -> None:
 def fresh_start(url: str) -> str:
     """--fresh-start: the run's checkpoints set aside (never deleted), before the first launch
     only. Returns the line that says where they went."""
-    from hvd_resilient.checkpoint.manager import CheckpointError, CheckpointManager
+    from hvd_resilient.checkpoint.manager import (
+        CheckpointError,
+        CheckpointManager,
+        default_supersede_tag,
+    )
     from hvd_resilient.checkpoint.stores import StoreError
 
     shown = mask_url(url)
@@ -378,7 +279,7 @@ def fresh_start(url: str) -> str:
         if not mgr.has_checkpoints():
             return f"hvd-resilient run: --fresh-start: no checkpoints at {shown}; starting " \
                    "from step 0"
-        tag = "superseded-" + time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+        tag = default_supersede_tag()
         steps = mgr.supersede(tag)
     except (StoreError, CheckpointError) as e:
         raise LaunchError(f"--fresh-start: checkpoints at {shown}: {e}") from None
@@ -398,8 +299,7 @@ def main(argv: list[str]) -> int:
         "HVD_RESILIENT_CHECKPOINT_URL": opts["checkpoint"], SUPERVISED_ENV: "1",
     })
     if opts["fresh_start"]:  # never resume from the old history's memory tier either
-        env["HVD_RESILIENT_STORE_MEMORY_SCOPE"] = time.strftime("fresh%Y%m%dT%H%M%S",
-                                                                time.gmtime())
+        env[MEMORY_SCOPE_ENV] = time.strftime("fresh%Y%m%dT%H%M%S", time.gmtime())
     if opts["backend"] == "horovod" and not opts["slot_hosts"]:
         env["HVD_RESILIENT_SLOT_HOSTS"] = "0"  # read by the driver (launch/horovod/driver.py)
     forwarded = sorted(k for k in env if k.startswith(FORWARDED_PREFIXES))

@@ -36,8 +36,9 @@ from hvd_resilient.backends.inplace.membership import (
     ready_key,
     want_key,
 )
+from hvd_resilient.cli_errors import exit_on_error
 from hvd_resilient.data.loader import die_with_parent
-from hvd_resilient.errors import ConfigError, exit_on_error
+from hvd_resilient.errors import ConfigError
 
 logger = log.get("inplace_agent")
 POLL_S = 0.01

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from hvd_resilient.errors import FATAL_EXIT_CODE
 from hvd_resilient.events import EventLog, read_events
+from hvd_resilient.fatal_events import fatal_events
 from hvd_resilient.launch.launcher_output import OutputFacts, Tee
 from hvd_resilient.log import get
 
@@ -85,7 +86,7 @@ class Supervisor:
             code, facts = self._launch()
             evs = self._events_since(t0)
             self.events.emit("launcher_exit", attempt=attempt, exit_code=code)
-            fatal = [e for e in evs if e["event"] == "fatal"]
+            fatal = fatal_events(self.events_path, t0, tail_bytes=None)
             if fatal:
                 # Checked before the exit code: a launcher can exit 0 after a rank reported a
                 # fatal error (the others trained on), and that is never success.

@@ -160,7 +160,9 @@ def young_daly(events: list[Event], wall_s: float, failures: int, restart_failur
         mtbf, msource = None, "none"
     young = young_interval(cost, mtbf) if cost and mtbf else None
     daly = daly_interval(cost, mtbf) if cost and mtbf else None
-    every = (config or {}).get("checkpoint_every")
+    config = config or {}
+    section = config.get("checkpoint")  # its place since it has a section; flat before
+    every = section.get("every") if isinstance(section, dict) else config.get("checkpoint_every")
     every = int(every) if isinstance(every, int) else None
     return YoungDaly(
         checkpoint_cost_s=cost, cost_source=source, failures=n, mtbf_s=mtbf,

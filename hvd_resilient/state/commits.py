@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
-from hvd_resilient.checkpoint.serialize import map_leaves
+from hvd_resilient.checkpoint.tree import map_leaves
 from hvd_resilient.state import rng
 from hvd_resilient.state.optim import load_optimizer_state
 

@@ -12,6 +12,11 @@ redone by the next rank 0 after the reset (:meth:`_after_sync`), and the run doe
 before its final checkpoint is published (:meth:`finish`). A failed start (a checkpoint that
 does not fit, a store that stays unreachable, checkpoints that a --no-resume run would
 overwrite) is recorded in the state and stops every rank at the first sync.
+
+The public methods own the order of the collectives, the bookkeeping, the bound on every wait,
+the events and the log lines; the sharded form (``durable_sharded``) fills in the hooks
+(``_apply_memory``, ``_load_durable``, ``_save``, ``_in_flight``, ``_flush``,
+``_root_published``, ``_close``, ``_start_warming``).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Any
 from hvd_resilient.backends.base import Backend
 from hvd_resilient.checkpoint.host_buffers import pool
 from hvd_resilient.checkpoint.manager import CheckpointManager
-from hvd_resilient.checkpoint.manifest import REPLICATED
+from hvd_resilient.checkpoint.manifest import REPLICATED, CheckpointInfo
 from hvd_resilient.checkpoint.serialize import check_state_dict
 from hvd_resilient.checkpoint.split import (
     decode_file,
@@ -34,15 +39,22 @@ from hvd_resilient.checkpoint.split import (
 from hvd_resilient.checkpoint.stores import StoreError, TransientStoreError, redact_url
 from hvd_resilient.checkpoint.writer import AsyncCheckpointWriter
 from hvd_resilient.config import TrainConfig
-from hvd_resilient.errors import HvdResilientError, ResumeError
+from hvd_resilient.errors import RESTARTABLE_EXIT_CODE, HvdResilientError, ResumeError
 from hvd_resilient.events import EventLog
 from hvd_resilient.log import get
 from hvd_resilient.state import rng
 from hvd_resilient.state.core import StateCore
+from hvd_resilient.training.fault_hooks import before_publish
 from hvd_resilient.training.faults import FaultPlan
-from hvd_resilient.training.memory_commits import MemoryCommits
+from hvd_resilient.training.memory_commits import Found, MemoryCommits
 
 log = get("durable")
+
+UPLOAD_WAIT_SECONDS = 1800.0
+"""The longest a wait for checkpoint uploads in flight lasts (a save's for the previous one,
+the final checkpoint's, a close without a timeout): an upload that takes longer means a store
+that hangs, and the run ends with one line (a restart resumes from the newest published
+checkpoint) rather than wait forever."""
 
 
 class StartRefused(HvdResilientError):
@@ -53,7 +65,15 @@ class FinalCheckpointError(HvdResilientError):
     """The run reached its end but its final checkpoint could not be published. A relaunch
     resumes from the newest published one, so this one is worth a restart."""
 
-    exit_code = 1
+    exit_code = RESTARTABLE_EXIT_CODE
+
+
+class UploadStalled(HvdResilientError):
+    """A save had to wait for the previous checkpoint's upload, which was still running after
+    :data:`UPLOAD_WAIT_SECONDS`: the store hangs. A relaunch resumes from the newest
+    published checkpoint."""
+
+    exit_code = RESTARTABLE_EXIT_CODE
 
 
 class DurableCheckpoints:
@@ -64,6 +84,9 @@ class DurableCheckpoints:
         ...                          # in the loop: if checkpoints.due(): checkpoints.save()
         checkpoints.finish()         # every rank, at the end of the train function
     """
+
+    layout = REPLICATED
+    """What a save writes (the manifest's ``layout``; a memory-tier resume reports it)."""
 
     def __init__(self, config: TrainConfig, state: StateCore, events: EventLog,
                  backend: Backend, *, faults: FaultPlan | None = None,
@@ -82,36 +105,25 @@ class DurableCheckpoints:
         state.on_sync(self._after_sync)
         state.on_commit(self._before_commit)
 
-    @property
-    def last_saved_step(self) -> int:
-        """The newest step every rank knows is published (-1: none yet)."""
-        return self.state.ckpt_published
-
     def _emit(self, name: str, fields: dict[str, Any]) -> None:
         self.events.emit(name, **fields)
 
     @property
+    def _url(self) -> str:
+        """The checkpoint location for messages (no credentials)."""
+        return redact_url(self.config.checkpoint.url)
+
+    @property
     def manager(self) -> CheckpointManager:
         if self._manager is None:
+            opts = self.config.checkpoint
             self._manager = CheckpointManager(
-                self.config.checkpoint_url, keep_last=self.config.keep_last,
-                keep_every=self.config.keep_every, on_event=self._emit,
-                **self.config.store.store_options(self.config.checkpoint_url),
+                opts.url, keep_last=opts.keep_last, keep_every=opts.keep_every,
+                on_event=self._emit,
+                before_publish=before_publish(self._faults, self.backend.rank()),
+                **self.config.store.store_options(opts.url),
             )
-            if self._faults is not None and self._faults.fires_at("upload"):
-                self._manager.publish = self._fault_before(self._manager.publish)  # type: ignore[method-assign]
         return self._manager
-
-    def _fault_before(self, publish: Any) -> Any:
-        """Tests and chaos runs: an `at=upload` fault fires between the files and the manifest."""
-        faults, rank = self._faults, self.backend.rank()
-
-        def wrapped(step: int, *args: Any, **kwargs: Any) -> Any:
-            assert faults is not None
-            faults.maybe_fire(rank, step, at="upload")
-            return publish(step, *args, **kwargs)
-
-        return wrapped
 
     @property
     def writer(self) -> AsyncCheckpointWriter:
@@ -128,7 +140,7 @@ class DurableCheckpoints:
         error = ""
         if self.backend.rank() == 0 or self.backend.resume_on_every_rank:
             try:
-                if self.config.resume:
+                if self.config.checkpoint.resume:
                     self.resume()
                 else:
                     self._refuse_existing()
@@ -156,23 +168,23 @@ class DurableCheckpoints:
         steps = self._published_steps()
         if steps:
             raise ResumeError(
-                f"checkpoints exist at {redact_url(self.config.checkpoint_url)} (newest step "
-                f"{steps[-1]}) and {why}: they are never rewritten; resume from them, set them "
-                "aside with `hvd-resilient ckpt supersede URL` (or `hvd-resilient run "
-                "--fresh-start`), or use another --run-id")
+                f"checkpoints exist at {self._url} (newest step {steps[-1]}) and {why}: they "
+                "are never rewritten; resume from them, set them aside with `hvd-resilient "
+                "ckpt supersede URL` (or `hvd-resilient run --fresh-start`), or use another "
+                "--run-id")
 
     def _start_from_scratch(self) -> None:
         """No checkpoint loaded: fine when there is none, refused when some exist that none
         verifies (a start from scratch would train over them)."""
         self._refuse_existing("none of them verifies (see checkpoint_skipped events and "
                               "`hvd-resilient ckpt verify`)")
-        log.info("no checkpoint at %s: starting from scratch",
-                 redact_url(self.config.checkpoint_url))
+        log.info("no checkpoint at %s: starting from scratch", self._url)
 
     def _load_latest(self) -> Any:
         """`load_latest`, retried while the store is unreachable, up to store_wait_seconds:
         a relaunch often races a store that restarts with it."""
-        deadline = time.monotonic() + self.config.store_wait_seconds
+        wait = self.config.checkpoint.store_wait_seconds
+        deadline = time.monotonic() + wait
         delay = 1.0
         while True:
             try:
@@ -181,9 +193,8 @@ class DurableCheckpoints:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise StoreError(
-                        f"checkpoint store {redact_url(self.config.checkpoint_url)} unreachable "
-                        f"for {self.config.store_wait_seconds:g}s at start ({e}); not starting "
-                        "from scratch over its checkpoints") from None
+                        f"checkpoint store {self._url} unreachable for {wait:g}s at start "
+                        f"({e}); not starting from scratch over its checkpoints") from None
                 log.warning("checkpoint store unreachable at start (%s); retrying for %.0fs",
                             e, left)
                 time.sleep(min(delay, left))
@@ -194,17 +205,22 @@ class DurableCheckpoints:
         """Loads the newest commit into the state: from the memory tier when it holds one at
         least as new as the newest durable checkpoint, else the newest verified durable one
         (rank 0 under Horovod, every rank under torchrun: there the memory tier's choice is a
-        collective, and nothing before it may raise)."""
-        if self.memory is None or not self.memory.enabled:  # one scan of the store: load_latest's
-            return self._resume_durable()
-        floor = self._durable_floor()
-        found = self.memory.newest(floor)
-        if found is not None:
-            i = found.info
-            self._apply(found.files, i.step, i.world_size)
-            return self._resumed(found.source, i.world_size, REPLICATED, published=floor,
-                                 fetched=found.fetched)
-        return self._resume_durable()
+        collective, and nothing before it may raise). Returns the step resumed from (None:
+        from scratch)."""
+        t0 = time.perf_counter()
+        if self.memory is not None and self.memory.enabled:  # else one scan: load_latest's
+            floor = self._durable_floor()
+            found = self.memory.newest(floor)
+            if found is not None:
+                self._apply_memory(found)
+                return self._resumed(found.source, found.info.world_size, self.layout,
+                                     published=floor, fetched=found.fetched, since=t0)
+        info = self._load_durable()
+        if info is None:
+            return self._start_from_scratch()
+        self._last_save_time = info.created
+        return self._resumed("durable", info.world_size, info.layout, published=info.step,
+                             since=t0)
 
     def _durable_floor(self) -> int:
         """The newest step with a durable manifest (-1: none, or the store unreachable: then
@@ -215,21 +231,25 @@ class DurableCheckpoints:
             return -1
         return steps[-1] if steps else -1
 
-    def _resume_durable(self) -> int | None:
-        """The newest verified durable checkpoint. No collective here: under Horovod a worker
-        that joins later runs this code too, while the others wait in sync."""
+    def _apply_memory(self, found: Found) -> None:
+        """Hook: loads a commit the memory tier found into the state."""
+        self._apply(found.files, found.info.step, found.info.world_size)
+
+    def _load_durable(self) -> CheckpointInfo | None:
+        """Hook: loads the newest verified durable checkpoint into the state and returns its
+        manifest (None: there is none). No collective here: under Horovod a worker that joins
+        later runs this code too, while the others wait in sync."""
         found = self._load_latest()
         if found is None:
-            return self._start_from_scratch()
+            return None
         info, files = found
         if info.layout != REPLICATED:
             raise ResumeError(
-                f"checkpoint {redact_url(self.config.checkpoint_url)} step {info.step} is "
-                f"{info.layout} (written with fsdp at world size {info.world_size}); resume it "
-                "with --fsdp under torchrun, or start a new run id")
+                f"checkpoint {self._url} step {info.step} is {info.layout} (written with fsdp "
+                f"at world size {info.world_size}); resume it with --fsdp under torchrun, or "
+                "start a new run id")
         self._apply(files, info.step, info.world_size)
-        self._last_save_time = info.created
-        return self._resumed("durable", info.world_size, info.layout, published=info.step)
+        return info
 
     def _apply(self, files: Any, step: int, world_size: int) -> None:
         """Loads checkpoint files into the state, or one line saying why they do not fit."""
@@ -241,25 +261,26 @@ class DurableCheckpoints:
             lines = str(e).strip().splitlines() or [type(e).__name__]
             more = f" (+{len(lines) - 1} more lines)" if len(lines) > 1 else ""
             raise ResumeError(
-                f"checkpoint {redact_url(self.config.checkpoint_url)} step {step} cannot "
-                f"be loaded into this model: {lines[0].strip()}{more}") from None
+                f"checkpoint {self._url} step {step} cannot be loaded into this model: "
+                f"{lines[0].strip()}{more}") from None
 
     def _resumed(self, source: str, world_size: int, layout: str, *, published: int,
-                 fetched: list[int] | None = None) -> int:
+                 since: float, fetched: list[int] | None = None) -> int:
         """Bookkeeping once a checkpoint is in the state: the resume event and log line.
         ``published`` is the newest durable step (a commit from memory is not durable)."""
         self.state.ckpt_requested = self.state.ckpt_published = published
         self.state.mark_commit_point()  # Horovod: what the first sync spreads
+        seconds = time.perf_counter() - since
         if self.backend.rank() == 0:
             extra: dict[str, Any] = {"fetched_by": fetched} if fetched else {}
             if not self.state.sharded():  # a sharded digest would be a collective
                 extra["digests"] = self.state.state_digests()  # = the saved step's, checkable
             self.events.emit("resume", from_step=self.state.step, epoch=self.state.epoch,
                              saved_world_size=world_size, layout=layout, source=source,
-                             durable_step=published, **extra)
-        log.info("resumed from %s step %d (epoch %d, saved at world size %d)",
+                             durable_step=published, seconds=round(seconds, 3), **extra)
+        log.info("resumed from %s step %d (epoch %d, saved at world size %d) in %.1fs",
                  "checkpoint" if source == "durable" else f"the {source} copy of commit",
-                 self.state.step, self.state.epoch, world_size)
+                 self.state.step, self.state.epoch, world_size, seconds)
         return self.state.step
 
     # -- save --------------------------------------------------------------------------------
@@ -269,7 +290,7 @@ class DurableCheckpoints:
         return None if self._last_save_time is None else time.time() - self._last_save_time
 
     def due(self) -> bool:
-        every, step = self.config.checkpoint_every, self.state.step
+        every, step = self.config.checkpoint.every, self.state.step
         if every > 0 and step >= 1 and not self._warm_started:
             self._start_warming()
         return every > 0 and step % every == 0 and step != self.state.ckpt_requested
@@ -280,7 +301,7 @@ class DurableCheckpoints:
         the epoch's end commits right after a checkpoint step), or skipped because a host
         change interrupted the commit it follows. The same answer on every rank (synced state;
         a collective only when the save of this very step was requested but not published)."""
-        every, st = self.config.checkpoint_every, self.state
+        every, st = self.config.checkpoint.every, self.state
         newest = max(st.ckpt_published, st.ckpt_requested)
         if every <= 0 or st.step <= 0:
             return False
@@ -313,13 +334,21 @@ class DurableCheckpoints:
             self._confirm()
 
     def _root_published(self) -> int:
-        """Rank 0: the newest step whose manifest this process published."""
+        """Hook, rank 0: the newest step whose manifest this process published."""
         last = self._writer.last_saved if self._writer is not None else None
         return last.step if last is not None else -1
 
-    def _flush(self, timeout: float | None) -> bool:
-        """Rank 0: wait for the uploads in flight."""
-        return self._writer.wait(timeout) if self._writer is not None else True
+    def _flush(self, timeout: float) -> bool:
+        """Hook, every rank: waits up to ``timeout`` for this process's part of the uploads in
+        flight (here rank 0's writer); False if they are still running."""
+        if self.backend.rank() != 0 or self._writer is None:
+            return True
+        return self._writer.wait(timeout)
+
+    def _in_flight(self) -> bool:
+        """Hook: whether this rank must wait for its previous save before the next one. Never
+        here: the writer keeps the newest snapshot pending instead (see writer.py)."""
+        return False
 
     def _confirm(self) -> None:
         """Collective: every rank learns rank 0's newest published step."""
@@ -331,25 +360,32 @@ class DurableCheckpoints:
     def finish(self) -> None:
         """Every rank, at the end of training: the final state is saved and published before
         anyone returns. A rank 0 lost during the upload fails this collective, and the next
-        rank 0 saves again after the reset; an upload that fails stops the run with an error
-        (a relaunch resumes from the newest published checkpoint)."""
+        rank 0 saves again after the reset; an upload that fails, or still runs after
+        :data:`UPLOAD_WAIT_SECONDS`, stops the run with an error (a relaunch resumes from the
+        newest published checkpoint)."""
+        deadline = time.monotonic() + UPLOAD_WAIT_SECONDS
+        stalled = False
         for attempt in range(2):
             if self.state.ckpt_requested != self.state.step or attempt:
                 self.save()
-            if self.backend.rank() == 0:
-                self._flush(None)
+            if not self._flush(max(0.0, deadline - time.monotonic())) and not stalled:
+                stalled = True
+                log.error("the final checkpoint (step %d) was still uploading to %s after "
+                          "%.0fs", self.state.step, self._url, UPLOAD_WAIT_SECONDS)
             self._confirm()
             if self.state.ckpt_published >= self.state.step:
                 return
+        why = f"still uploading after {UPLOAD_WAIT_SECONDS:.0f}s" if stalled else \
+            "see checkpoint_failed in the event log"
         raise FinalCheckpointError(
             f"the final checkpoint (step {self.state.step}) could not be published to "
-            f"{redact_url(self.config.checkpoint_url)} (see checkpoint_failed in the event "
-            f"log); the newest published one is step {self.state.ckpt_published}")
+            f"{self._url} ({why}); the newest published one is step "
+            f"{self.state.ckpt_published}")
 
     def _start_warming(self) -> None:
-        """Rank 0, once the optimizer has its state (after the first step): fault in the
-        snapshot buffers on a background thread, so that the first checkpoint's copy does not
-        pay for fresh memory inside the step (see ``split.warm_buffers``)."""
+        """Hook, once the optimizer has its state (after the first step): here rank 0 faults
+        in the snapshot buffers on a background thread, so that the first checkpoint's copy
+        does not pay for fresh memory inside the step (see ``split.warm_buffers``)."""
         self._warm_started = True
         if self.backend.rank() != 0 or not pool().enabled:
             return
@@ -364,27 +400,55 @@ class DurableCheckpoints:
         threading.Thread(target=warm, name="ckpt-warm", daemon=True).start()
 
     def save(self, *, blocking: bool = False) -> None:
-        """Collective: every rank must call it at the same step."""
+        """Collective: every rank must call it at the same step. ``blocking``: the save is
+        written before this returns (the preemption path), within grace_seconds."""
         t0 = time.perf_counter()
+        if self._in_flight():
+            if not self._flush(UPLOAD_WAIT_SECONDS):
+                raise UploadStalled(
+                    f"step {self.state.step}: the previous checkpoint's upload to {self._url} "
+                    f"was still running after {UPLOAD_WAIT_SECONDS:.0f}s")
+            if self.backend.rank() == 0:
+                log.warning("step %d waited %.1fs for the previous checkpoint's upload "
+                            "(consider a larger --checkpoint-every)", self.state.step,
+                            time.perf_counter() - t0)
         streams = self.backend.allgather_object(rng.capture())
         self.state.ckpt_requested = self.state.step
         self._last_save_time = time.time()
+        self._save(streams, since=t0, blocking=blocking)
+
+    def _save(self, streams: list[Any], *, since: float, blocking: bool) -> None:
+        """Hook, every rank, once the streams are gathered: hands this step's state to the
+        upload (here rank 0's writer); ``since``: when the save began (its stall counts from
+        there)."""
         if self.backend.rank() != 0:
             return
+        if self.writer.holds(self.state.step):
+            return  # in flight or published by this process already (a save redone after a reset)
+
         def payload() -> dict[str, Any]:  # the copy into host memory: split_state snapshots
             return split_state(self.state.checkpoint_state(streams))
 
         kwargs = dict(step=self.state.step, epoch=self.state.epoch, world_size=self.backend.size(),
                       run_id=self.config.run_id)
-        if self.writer.holds(self.state.step):
-            return  # in flight or published by this process already (a save redone after a reset)
         if blocking:
-            self.writer.save_sync(**kwargs, payload=payload, timeout=self.config.grace_seconds)
+            self.writer.save_sync(**kwargs, payload=payload,
+                                  timeout=self.config.checkpoint.grace_seconds)
         else:
             # A callable: the writer drops an older pending snapshot before making this one, so
             # at most two copies of the state are in host memory (one uploading, one pending).
-            self.writer.submit(**kwargs, payload=payload, stall_before=time.perf_counter() - t0)
+            self.writer.submit(**kwargs, payload=payload, stall_before=time.perf_counter() - since)
 
     def close(self, timeout: float | None = None) -> None:
-        if self._writer is not None:
-            self._writer.close(timeout)
+        """Waits up to ``timeout`` seconds (None: :data:`UPLOAD_WAIT_SECONDS`) for the uploads
+        in flight, then stops them. One still running then stays invisible (no manifest)
+        unless it finishes before the process exits; a warning says so."""
+        wait = UPLOAD_WAIT_SECONDS if timeout is None else timeout
+        if not self._close(wait):
+            log.warning("a checkpoint upload to %s was still running after %.0fs at close: it "
+                        "stays invisible (no manifest) unless it ends before this process",
+                        self._url, wait)
+
+    def _close(self, timeout: float) -> bool:
+        """Hook: stops the uploads within ``timeout``; False if one is still running."""
+        return self._writer.close(timeout) if self._writer is not None else True

@@ -6,6 +6,9 @@ to avoid. Here every rank saves its own shards through `checkpoint.sharded` (DCP
 step waits only for the copy to host memory), rank 0 adds the small replicated part (sampler,
 counters, every rank's random streams, scheduler, extras) as ``run_state.pt``, and a resume
 at any world size reshards model and optimizer state through DCP.
+
+Only the hooks of `DurableCheckpoints` are filled in here: its public methods keep the order
+of the collectives, the bounds on every wait, the events and the log lines.
 """
 
 from __future__ import annotations
@@ -16,20 +19,17 @@ from typing import Any
 
 from hvd_resilient.backends.base import Backend
 from hvd_resilient.backends.torchrun import fsdp
-from hvd_resilient.checkpoint.manager import CheckpointError
-from hvd_resilient.checkpoint.manifest import SHARDED
+from hvd_resilient.checkpoint.errors import CheckpointError
+from hvd_resilient.checkpoint.manifest import SHARDED, CheckpointInfo
 from hvd_resilient.checkpoint.serialize import from_bytes, to_buffer
 from hvd_resilient.checkpoint.sharded.checkpointer import ShardedCheckpointer
-from hvd_resilient.checkpoint.stores import redact_url
 from hvd_resilient.config import TrainConfig
 from hvd_resilient.errors import ResumeError
 from hvd_resilient.events import EventLog
-from hvd_resilient.log import get
-from hvd_resilient.state import rng
 from hvd_resilient.state.core import StateCore
 from hvd_resilient.training.durable import DurableCheckpoints
-
-log = get("durable")
+from hvd_resilient.training.faults import FaultPlan
+from hvd_resilient.training.memory_commits import Found, MemoryCommits
 
 RUN_STATE_FILE = "run_state.pt"
 """Rank 0's file of a sharded checkpoint: `StateCore.run_state` (everything but the model and
@@ -51,14 +51,11 @@ class ShardedDurableCheckpoints(DurableCheckpoints):
     small for the store.
     """
 
-    def _start_warming(self) -> None:
-        """Nothing to warm: shards are written by ``torch.distributed.checkpoint``, not through
-        the snapshot buffers, and a sharded ``state_dict()`` is collective (never call it from
-        a background thread of one rank)."""
-        self._warm_started = True
+    layout = SHARDED
 
     def __init__(self, config: TrainConfig, state: StateCore, events: EventLog,
-                 backend: Backend, *, faults: Any = None, memory: Any = None) -> None:
+                 backend: Backend, *, faults: FaultPlan | None = None,
+                 memory: MemoryCommits | None = None) -> None:
         import torch.distributed as dist
 
         super().__init__(config, state, events, backend, faults=faults, memory=memory)
@@ -69,66 +66,54 @@ class ShardedDurableCheckpoints(DurableCheckpoints):
             on_event=self._emit, name=config.run_id,
         )
 
-    def resume(self) -> int | None:
-        """Loads the newest commit the memory tier's shards cover, else the newest verified
-        sharded checkpoint; either is resharded onto this world size. Collective."""
-        floor = self._durable_floor()
-        found = self.memory.newest(floor) if self.memory is not None else None
-        if found is not None:
-            fsdp.apply_full_state(self.state.model, self.state.optimizer, found.files)
-            self.state.load_run_state(found.files["run"])
-            return self._resumed(found.source, found.info.world_size, SHARDED, published=floor,
-                                 fetched=found.fetched)
+    def _start_warming(self) -> None:
+        """Nothing to warm: shards are written by ``torch.distributed.checkpoint``, not through
+        the snapshot buffers, and a sharded ``state_dict()`` is collective (never call it from
+        a background thread of one rank)."""
+        self._warm_started = True
+
+    # -- resume: both collective, and resharded onto this world size -------------------------
+    def _apply_memory(self, found: Found) -> None:
+        fsdp.apply_full_state(self.state.model, self.state.optimizer, found.files)
+        self.state.load_run_state(found.files["run"])
+
+    def _load_durable(self) -> CheckpointInfo | None:
         target = fsdp.sharded_state(self.state.model, self.state.optimizer)
         try:
             found = self.saver.load_latest(target)
         except CheckpointError as e:
-            raise ResumeError(f"checkpoint {redact_url(self.config.checkpoint_url)}: {e}") \
-                from None
+            raise ResumeError(f"checkpoint {self._url}: {e}") from None
         if found is None:
-            return self._start_from_scratch()
+            return None
         info, files = found
         fsdp.apply_sharded_state(self.state.model, self.state.optimizer, target)
         self.state.load_run_state(from_bytes(files[RUN_STATE_FILE]))
-        self._last_save_time = info.created
-        return self._resumed("durable", info.world_size, info.layout, published=info.step)
+        return info
 
-    def save(self, *, blocking: bool = False) -> None:
-        """Collective: every rank must call it at the same step."""
-        t0 = time.perf_counter()
-        if self.saver.busy():
-            self.saver.wait()
-            if self.backend.rank() == 0:
-                log.warning("step %d waited %.1fs for the previous checkpoint's upload (consider "
-                            "a larger --checkpoint-every)", self.state.step,
-                            time.perf_counter() - t0)
-        streams = self.backend.allgather_object(rng.capture())
-        self.state.ckpt_requested = self.state.step
-        self._last_save_time = time.time()
+    # -- save: every rank its shards, rank 0 the run state ----------------------------------
+    def _in_flight(self) -> bool:
+        return self.saver.busy()
+
+    def _save(self, streams: list[Any], *, since: float, blocking: bool) -> None:
         files: dict[str, Any] = {}
         if self.backend.rank() == 0:
             files[RUN_STATE_FILE] = to_buffer(self.state.run_state(streams))
         self.saver.save(
             self.state.step, self.state.epoch,
             fsdp.sharded_state(self.state.model, self.state.optimizer), files,
-            run_id=self.config.run_id, stall_before=time.perf_counter() - t0,
+            run_id=self.config.run_id, stall_before=time.perf_counter() - since,
         )
         if blocking:
-            self.saver.wait(self.config.grace_seconds)
+            self.saver.wait(self.config.checkpoint.grace_seconds)
 
     def _root_published(self) -> int:
         last = self.saver.last_saved
         return last.step if last is not None else -1
 
-    def _flush(self, timeout: float | None) -> bool:
-        return self.saver.wait(timeout)
-
-    def finish(self) -> None:
+    def _flush(self, timeout: float) -> bool:
         """Every rank uploads its shards: every rank waits for its own before rank 0 can have
         published (the publish itself runs on rank 0 after a gather of all shard lists)."""
-        self.saver.wait()
-        super().finish()
+        return self.saver.wait(timeout)
 
-    def close(self, timeout: float | None = None) -> None:
-        self.saver.close(timeout)
-        super().close(timeout)
+    def _close(self, timeout: float) -> bool:
+        return self.saver.close(timeout)

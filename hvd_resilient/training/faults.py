@@ -1,12 +1,14 @@
 """Fault injection for tests, chaos runs and the recovery benchmarks.
 
-A plan comes from one environment variable, read once by the entry point and passed down:
-`HVD_RESILIENT_FAULT="kill:rank=1:step=50"` (also `raise:` for a Python exception and
-`abort:` for an out-of-memory-style abort, and `stall:rank=0:step=30:seconds=6` for a rank
-that is alive but busy in Python, which must NOT be taken for a failure; `hang:` for a rank
-that never ends its step, `freeze:` for one that stops itself with SIGSTOP, `sever:` for a
-collective failure without a death (a `RuntimeError` as Gloo raises it on a lost connection:
-the in-place backend forms a new generation of the same members); `slow:rank=1:step=20:
+A plan is one string, read once at the edge and passed down: the training setting `fault`
+(`HVD_RESILIENT_FAULT`, `--fault`, handed to `FaultPlan.parse` by the trainer), or `ENV` read
+by a script's own entry point. `HVD_RESILIENT_FAULT="kill:rank=1:step=50"` (also `raise:` for
+a Python exception and `abort:` for an out-of-memory-style abort, and
+`stall:rank=0:step=30:seconds=6` for a rank that is alive but busy in Python, which must NOT
+be taken for a failure; `hang:` for a rank that never ends its step, `freeze:` for one that
+stops itself with SIGSTOP, `sever:` for a collective failure without a death (a
+`RuntimeError` as Gloo raises it on a lost connection: the in-place backend forms a new
+generation of the same members); `slow:rank=1:step=20:
 seconds=0.05` for a straggler: the process that is rank 1 at step 20 sleeps that long in every
 step from then on, whatever its rank after a reset, as a slow machine would). `at=upload` fires in
 the checkpoint writer instead, once the files of that step's checkpoint are stored and before

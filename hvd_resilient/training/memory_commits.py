@@ -20,12 +20,15 @@ sync then spreads the state.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import queue
 import shutil
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,16 +60,27 @@ class Found:
 
 class MemoryCommits:
     """The memory tier of one training process; every rank builds one (a no-op where the
-    tier is off), and the trainer hands it to :class:`DurableCheckpoints`."""
+    tier is off), and the trainer hands it to :class:`DurableCheckpoints`.
+
+    The public methods and the commit hook own the guards, the collectives' order, the bound
+    on every wait for the background thread, the events and the log lines; the sharded form
+    (`memory_sharded.ShardedMemoryCommits`) fills in ``_commit_target``, ``_holdings``,
+    ``_candidates``, ``_after_finish`` and ``_before_discard``.
+    """
 
     sharded = False
     """Replicated state here; `memory_sharded.ShardedMemoryCommits` keeps FSDP shards."""
+    finish_wait_seconds = 30.0
+    """The longest anything waits for the background thread to finish a segment (checksums,
+    manifest; sharded, the copy to a peer): a commit inside the step, then kept in the process
+    only, with a ``memory_commit_failed`` event, rather than stall training; the end of the
+    run's discard and close, then going ahead with a warning."""
 
     def __init__(self, config: TrainConfig, state: Any, events: EventLog,
                  backend: Backend) -> None:
         self.config, self.state, self.events, self.backend = config, state, events, backend
-        opts = config.store
-        self.enabled = opts.memory_tier
+        opts = config.memory_tier
+        self.enabled = opts.enabled
         """The same on every rank (config): decides the collectives at commits and resumes."""
         self.usable = False
         """This host can hold the tier (its folder is writable): decides only the writing. A
@@ -82,14 +96,13 @@ class MemoryCommits:
         self._thread: threading.Thread | None = None
         self._full = False
         self.server: Any = None
-        self.dir = SegmentDir(opts.memory_dir, self.run_key, OWNER,
-                              max_bytes=opts.memory_max_bytes)
+        self.dir = SegmentDir(opts.dir, self.run_key, OWNER, max_bytes=opts.max_bytes)
         if not self.enabled:
             return
         if config.fsdp and not self.sharded:
             self._off("sharded (fsdp) state needs ShardedMemoryCommits")
             return
-        reason = _unusable(opts.memory_dir)
+        reason = _unusable(opts.dir)
         if reason:  # this host only: it keeps no copy, but takes part in every collective
             self.events.emit("memory_tier", enabled=False, reason=reason)
             logger.warning("memory tier off on this host: %s (its restarts read a peer's copy "
@@ -105,8 +118,8 @@ class MemoryCommits:
         """The run's folder: its id, a digest of its checkpoint location (two runs of one id
         over different stores are different histories) and the scope."""
         cfg = self.config
-        where = url_digest(cfg.checkpoint_url)
-        scope = cfg.store.memory_scope
+        where = url_digest(cfg.checkpoint.url)
+        scope = cfg.memory_tier.scope
         return f"{cfg.run_id}.{where}" + (f".{scope}" if scope else "")
 
     def _lead(self) -> bool:
@@ -129,8 +142,8 @@ class MemoryCommits:
         self.writer = True
         self.dir.sweep()
         self._sweep_others()
-        if not self.config.resume:  # --no-resume: a new history must not resume an old one
-            self.dir.clear()
+        if not self.config.checkpoint.resume:  # --no-resume: a new history must not resume
+            self.dir.clear()  # an old one
         return True
 
     def _off(self, reason: str) -> None:
@@ -144,14 +157,31 @@ class MemoryCommits:
     def _on_commit(self) -> None:
         """Every rank at each commit (a collective: the streams of every rank)."""
         streams = self.backend.allgather_object(rng.capture())
-        step = self.state.step
-        if not self._lead() or step in self.dir.steps()[:1]:
+        target = self._commit_target(streams)
+        if target is None:
             return
-        self._write(self.dir, step, self.state.checkpoint_state(streams))
+        folder, state = target
+        step = self.state.step
+        if step in folder.steps()[:1]:
+            return  # the newest segment already (a commit again after a restore)
+        self._write(folder, step, state)
+
+    def _commit_target(self, streams: list[Any]) -> tuple[SegmentDir, Any] | None:
+        """Hook, every rank at each commit: the folder this process writes the commit to and
+        the state it writes there (None: none). Here the host's writer writes the whole
+        state, and the other processes nothing."""
+        if not self._lead():
+            return None
+        return self.dir, self.state.checkpoint_state(streams)
 
     def _write(self, folder: SegmentDir, step: int, state: Any) -> None:
         """Inside the step: the copy; then checksums and manifest on the background thread."""
-        self._idle.wait()  # the previous segment's checksums (rarely still running)
+        if not self._idle.wait(self.finish_wait_seconds):  # the previous segment (rarely)
+            reason = (f"the previous segment was still being finished after "
+                      f"{self.finish_wait_seconds:g}s; this commit is kept in the process only")
+            self.events.emit("memory_commit_failed", at_step=step, error=reason)
+            logger.warning("memory tier: %s", reason)
+            return
         meta = {"epoch": self.state.epoch, "world_size": self.backend.size()}
         try:
             pending = folder.begin(step, state, meta)
@@ -196,19 +226,31 @@ class MemoryCommits:
         """Off the step, once a segment is complete (the sharded tier copies it to a peer)."""
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Waits for the segment in progress (tests, and before the run's segments go)."""
-        return self._idle.wait(timeout)
+        """Waits up to ``timeout`` seconds (None: :attr:`finish_wait_seconds`) for the segment
+        in progress (tests, and before the run's segments go); False if it is still running."""
+        return self._idle.wait(self.finish_wait_seconds if timeout is None else timeout)
 
     # -- reading -------------------------------------------------------------------------------
     def newest(self, durable_step: int) -> Found | None:
         """The newest commit at or past ``durable_step`` that verifies, or None (then the
-        durable checkpoint it is). A collective where every rank resumes (torchrun)."""
+        durable checkpoint it is). A collective where every rank resumes (torchrun): the hosts
+        say what they hold, every rank loads the newest candidate from its own host or a peer,
+        and all fall back together to the next one (two at most) if any rank could not."""
         if not self.enabled:
             return None
-        if self.backend.resume_on_every_rank:
-            return self._agreed(durable_step)
-        if not self.usable:
-            return None
+        if not self.backend.resume_on_every_rank:  # Horovod: rank 0 alone, its own host
+            return self._newest_here(durable_step) if self.usable else None
+        mine = self._holdings(durable_step)
+        everyone = self.backend.allgather_object(mine)
+        floor = max(p["durable"] for p in everyone)
+        for load in self._candidates(mine, everyone, floor)[:2]:
+            found = load()
+            if self._all_loaded(found):
+                return found
+        return None
+
+    def _newest_here(self, durable_step: int) -> Found | None:
+        """The newest verified commit of this host's own copies, no collective."""
         for step in self.dir.steps():
             if step < durable_step:
                 break
@@ -229,34 +271,38 @@ class MemoryCommits:
         self.events.emit("checkpoint_skipped", tier="memory", at_step=step, reason=reason)
         logger.warning("memory copy of step %d skipped: %s", step, reason)
 
-    def _agreed(self, durable_step: int) -> Found | None:
-        """Every rank: the hosts say what they hold, every rank loads the newest step from its
-        own host or a peer, and all fall back together if any rank could not."""
-        from hvd_resilient.checkpoint.memory.peers import fetch
-
-        mine = {"host": socket.gethostname(), "steps": self.dir.steps(),
+    def _holdings(self, durable_step: int) -> dict[str, Any]:
+        """Hook: what this process tells the others at a restart (``durable``: the newest
+        durable step it saw; the rest is the hook's own, read back by :meth:`_candidates`)."""
+        return {"host": socket.gethostname(), "steps": self.dir.steps(),
                 "server": self.server.address if self.server else None,
                 "durable": durable_step}
-        everyone = self.backend.allgather_object(mine)
-        floor = max(p["durable"] for p in everyone)
-        candidates = sorted({s for p in everyone for s in p["steps"] if s >= floor},
-                            reverse=True)
-        for step in candidates[:2]:
-            found: Found | None = None
-            if step in mine["steps"]:
-                found = self._read_local(step)
-            for peer in everyone:
-                if found is not None:
-                    break
-                if peer["server"] is None or step not in peer["steps"]:
-                    continue
-                try:
-                    info, files = fetch(tuple(peer["server"]), self.run_key, OWNER, step)
-                    found = Found(info, files, "peer")
-                except SegmentError as e:
-                    self._skipped(step, f"from {peer['host']}: {e}")
-            if self._all_loaded(found):
+
+    def _candidates(self, mine: dict[str, Any], everyone: list[dict[str, Any]],
+                    floor: int) -> list[Callable[[], Found | None]]:
+        """Hook: from every process's :meth:`_holdings`, the commits to try, newest first,
+        each as a call that loads it on this rank (None: this rank could not). Here: every
+        step some host holds, no older than ``floor``."""
+        steps = sorted({s for p in everyone for s in p["steps"] if s >= floor}, reverse=True)
+        return [functools.partial(self._load_step, step, mine, everyone) for step in steps]
+
+    def _load_step(self, step: int, mine: dict[str, Any],
+                   everyone: list[dict[str, Any]]) -> Found | None:
+        """``step`` from this host's copy, else from the first peer whose copy verifies."""
+        from hvd_resilient.checkpoint.memory.peers import fetch
+
+        if step in mine["steps"]:
+            found = self._read_local(step)
+            if found is not None:
                 return found
+        for peer in everyone:
+            if peer["server"] is None or step not in peer["steps"]:
+                continue
+            try:
+                info, files = fetch(tuple(peer["server"]), self.run_key, OWNER, step)
+                return Found(info, files, "peer")
+            except SegmentError as e:
+                self._skipped(step, f"from {peer['host']}: {e}")
         return None
 
     def _all_loaded(self, found: Found | None) -> bool:
@@ -275,20 +321,19 @@ class MemoryCommits:
         from hvd_resilient.checkpoint.memory.peers import SegmentServer
         from hvd_resilient.detect.silent_peers import outward_ip
 
-        env = os.environ
-        target = (env["MASTER_ADDR"], int(env["MASTER_PORT"])) if "MASTER_ADDR" in env else None
-        try:
-            self.server = SegmentServer(self.config.store.memory_dir, outward_ip(target))
+        try:  # peers reach this host from where it reaches the rendezvous
+            self.server = SegmentServer(self.config.memory_tier.dir,
+                                        outward_ip(self.backend.coordinator))
         except OSError as e:
             logger.warning("memory tier not served to peers: %s", e)
 
     def _sweep_others(self) -> None:
         """Segments of other histories of this run (another scope), and of any run untouched
         for longer than memory_max_age_hours: nobody will resume from them."""
-        root, keep = self.config.store.memory_dir, self.run_key
-        scoped = bool(self.config.store.memory_scope)  # a fresh start: older histories go
+        root, keep = self.config.memory_tier.dir, self.run_key
+        scoped = bool(self.config.memory_tier.scope)  # a fresh start: older histories go
         base = keep.rsplit(".", 1)[0] if scoped else ""
-        max_age = self.config.store.memory_max_age_hours * 3600
+        max_age = self.config.memory_tier.max_age_hours * 3600
         try:
             names = os.listdir(root)
         except OSError:
@@ -303,17 +348,30 @@ class MemoryCommits:
 
     def discard(self) -> None:
         """The run ended (finished, or stopped with its final durable checkpoint): its
-        segments on this host go."""
-        if not self.writer:
+        segments on this host go. Every rank calls it (a collective where the hook is)."""
+        if not self.enabled:
             return
-        self.flush(30)
-        shutil.rmtree(os.path.join(self.config.store.memory_dir, self.run_key),
-                      ignore_errors=True)
+        if not self.flush():
+            logger.warning("memory tier: a segment was still being finished after %gs; the "
+                           "run's segments go anyway (one finished later is swept after "
+                           "memory_tier_max_age_hours)", self.finish_wait_seconds)
+        self._before_discard()
+        if self.writer:
+            shutil.rmtree(os.path.join(self.config.memory_tier.dir, self.run_key),
+                          ignore_errors=True)
+
+    def _before_discard(self) -> None:
+        """Hook, every rank, once its own segments are finished: nothing here (one writer a
+        host)."""
 
     def close(self) -> None:
         if self._thread is not None:
-            self._jobs.put(None)
-            self._thread.join(30)
+            with contextlib.suppress(queue.Full):  # full: the thread takes its job first
+                self._jobs.put(None, timeout=self.finish_wait_seconds)
+            self._thread.join(self.finish_wait_seconds)
+            if self._thread.is_alive():
+                logger.warning("memory tier: a segment was still being finished after %gs at "
+                               "close; left to its thread", self.finish_wait_seconds)
             self._thread = None
         if self.server is not None:
             self.server.close()

@@ -23,18 +23,19 @@ what each rank needs, and remains the fallback.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
 import socket
+from collections.abc import Callable
 from typing import Any
 
 from hvd_resilient import log
 from hvd_resilient.checkpoint.memory import SegmentDir, SegmentError
 from hvd_resilient.checkpoint.memory.listing import subdirs
-from hvd_resilient.checkpoint.serialize import map_leaves
 from hvd_resilient.checkpoint.split import join_state
-from hvd_resilient.state import rng
+from hvd_resilient.checkpoint.tree import map_leaves
 from hvd_resilient.training.memory_commits import Found, MemoryCommits
 
 logger = log.get("memory")
@@ -108,48 +109,48 @@ class ShardedMemoryCommits(MemoryCommits):
     """The memory tier of an FSDP training process (torchrun only, like FSDP itself)."""
 
     sharded = True
+    finish_wait_seconds = 60.0  # a segment's finish includes its copy to the next host
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._ring: tuple[str, int] | None | bool = False  # False: not asked yet
         self._commits_at_size = 0
         super().__init__(*args, **kwargs)
         if self.enabled:
-            self.own = SegmentDir(self.config.store.memory_dir, self.run_key,
+            self.own = SegmentDir(self.config.memory_tier.dir, self.run_key,
                                   owner(self.backend.rank(), self.backend.size()),
-                                  max_bytes=self.config.store.memory_max_bytes)
+                                  max_bytes=self.config.memory_tier.max_bytes)
             self.own.sweep()
-            if not self.config.resume:
+            if not self.config.checkpoint.resume:
                 self.own.clear()
 
     @property
     def run_path(self) -> str:
-        return os.path.join(self.config.store.memory_dir, self.run_key)
+        return os.path.join(self.config.memory_tier.dir, self.run_key)
 
     def host_id(self) -> str:
         """Who shares this memory: the machine, and the tier's folder on it (two agents on one
         machine with folders of their own are two hosts to the tier, as in the tests)."""
         try:
-            ino = os.stat(self.config.store.memory_dir).st_ino
+            ino = os.stat(self.config.memory_tier.dir).st_ino
         except OSError:
             ino = 0
         return f"{socket.gethostname()}:{ino}"
 
     # -- writing -------------------------------------------------------------------------------
-    def _on_commit(self) -> None:
+    def _commit_target(self, streams: list[Any]) -> tuple[SegmentDir, Any] | None:
+        """Every rank its own shards, into its own folder (collectives: the ring at the first
+        commit, and FSDP's state dict, on every rank whether it writes or not)."""
         from hvd_resilient.backends.torchrun import fsdp
 
-        streams = self.backend.allgather_object(rng.capture())
         if self._ring is False:
             self._ring = self._next_host()
         self._lead()
-        step = self.state.step
         self._commits_at_size += 1
         if self.writer and self._commits_at_size == 2:
             self._forget_other_sizes()
         payload = local_payload(fsdp.sharded_state(self.state.model, self.state.optimizer),
                                 self.state.run_state(streams))  # on every rank, like FSDP
-        if self.usable and step not in self.own.steps()[:1]:
-            self._write(self.own, step, payload)
+        return (self.own, payload) if self.usable else None
 
     def _after_finish(self, info: Any) -> None:
         if not isinstance(self._ring, tuple):
@@ -181,26 +182,24 @@ class ShardedMemoryCommits(MemoryCommits):
             if m and int(m.group(2)) != size:
                 shutil.rmtree(os.path.join(self.run_path, name), ignore_errors=True)
 
-    def discard(self) -> None:
+    def _before_discard(self) -> None:
         """Every rank's copies (and pushes) are done before the run's folder goes, or a late
-        one would bring it back. Collective: every rank calls it at the end of the run."""
-        self.flush(60)
+        one would bring it back: a collective, once each rank finished its own."""
         self.backend.allgather_object(None)
-        super().discard()
 
     # -- reading -------------------------------------------------------------------------------
-    def newest(self, durable_step: int) -> Found | None:
-        if not self.enabled:
-            return None
+    def _holdings(self, durable_step: int) -> dict[str, Any]:
         held: dict[str, list[int]] = {}
         for name in subdirs(self.run_path):
             if _OWNER.match(name):
-                held[name] = SegmentDir(self.config.store.memory_dir, self.run_key,
+                held[name] = SegmentDir(self.config.memory_tier.dir, self.run_key,
                                         name).steps()
-        mine = {"host": self.host_id(), "server": self.server.address if self.server else None,
+        return {"host": self.host_id(), "server": self.server.address if self.server else None,
                 "held": held, "durable": durable_step}
-        everyone = self.backend.allgather_object(mine)
-        floor = max(p["durable"] for p in everyone)
+
+    def _candidates(self, mine: dict[str, Any], everyone: list[dict[str, Any]],
+                    floor: int) -> list[Callable[[], Found | None]]:
+        """The steps whose shards of one world size are all held somewhere, newest first."""
         servers = {p["host"]: p["server"] for p in everyone if p["server"] is not None}
         hosts_of: dict[tuple[int, int, int], set[str]] = {}
         for p in everyone:
@@ -214,11 +213,8 @@ class ShardedMemoryCommits(MemoryCommits):
         complete = sorted({(s, w) for s, w, _ in hosts_of
                            if s >= floor and all((s, w, r) in hosts_of for r in range(w))},
                           reverse=True)
-        for step, world in complete[:2]:
-            found = self._load(step, world, hosts_of, servers, mine["host"])
-            if self._all_loaded(found):
-                return found
-        return None
+        return [functools.partial(self._load, step, world, hosts_of, servers, mine["host"])
+                for step, world in complete]
 
     def _load(self, step: int, world: int, hosts_of: dict[tuple[int, int, int], set[str]],
               servers: dict[str, Any], here: str) -> Found | None:
@@ -229,7 +225,7 @@ class ShardedMemoryCommits(MemoryCommits):
             name, files = owner(r, world), None
             if here in hosts_of[(step, world, r)]:
                 try:
-                    info, files = SegmentDir(self.config.store.memory_dir, self.run_key,
+                    info, files = SegmentDir(self.config.memory_tier.dir, self.run_key,
                                              name).read(step)
                 except SegmentError as e:
                     self._skipped(step, f"{name}: {e}")

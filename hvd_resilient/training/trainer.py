@@ -21,7 +21,6 @@ import torch
 from torch.utils.data import default_collate
 
 from hvd_resilient import backends, log
-from hvd_resilient.backends import determinism
 from hvd_resilient.backends.threads import share_cores
 from hvd_resilient.checkpoint.host_buffers import pool as snapshot_pool
 from hvd_resilient.config import TrainConfig
@@ -34,7 +33,6 @@ from hvd_resilient.observability import Observer
 from hvd_resilient.state.sampler import ElasticDataSampler
 from hvd_resilient.training import memory
 from hvd_resilient.training.durable import DurableCheckpoints
-from hvd_resilient.training.faults import ENV as FAULT_ENV
 from hvd_resilient.training.faults import FaultPlan
 from hvd_resilient.training.memory_commits import MemoryCommits
 from hvd_resilient.training.recipe import Recipe
@@ -113,11 +111,11 @@ class Trainer:
     def fit(self) -> FitResult:
         cfg = self.config
         backend = self.backend = backends.get(
-            self.backend_name, fsdp=cfg.fsdp, recovery=cfg.recovery)
-        determinism.apply(cfg.deterministic)  # before init: Horovod reads its fusion setting there
-        backend.init(self.comm)
+            self.backend_name, fsdp=cfg.fsdp, recovery=cfg.recovery,
+            deterministic=cfg.deterministic)
+        backend.init(self.comm)  # deterministic settings first: Horovod reads them at init
         log.setup(rank_fn=backend.rank, level=cfg.observability.log_level)
-        snapshot_pool().enabled = snapshot_pool().enabled and cfg.store.snapshot_reuse
+        snapshot_pool().enabled = snapshot_pool().enabled and cfg.checkpoint.snapshot_reuse
         share_cores(backend.local_size())
         events = EventLog(f"{cfg.run_dir}/events.jsonl", rank=backend.rank, size=backend.size)
         model, optimizer = backend.wrap(self.model, self.optimizer,
@@ -132,7 +130,7 @@ class Trainer:
             lr_scaling=cfg.lr_scaling, events=events, last_loss=math.nan,
             **self.recipe.components(),
         )
-        self._faults = FaultPlan.parse(os.environ.get(FAULT_ENV), cfg.run_dir)
+        self._faults = FaultPlan.parse(cfg.fault, cfg.run_dir)
         commits = _memory_class(cfg.fsdp)(cfg, state, events, backend)
         durable = _durable_class(cfg.fsdp)(cfg, state, events, backend, faults=self._faults,
                                            memory=commits)
@@ -176,7 +174,7 @@ class Trainer:
             progress.install(None)
             obs.close()
             self._loader.close()
-            durable.close(timeout=cfg.grace_seconds)
+            durable.close(timeout=cfg.checkpoint.grace_seconds)
             commits.close()
         events.emit("done", epoch=state.epoch, loss=state.last_loss,
                     params_sha256=state.params_sha256(),
@@ -232,7 +230,7 @@ class Trainer:
             if sampler.epoch_done():
                 sampler.set_epoch(sampler.epoch + 1)
                 state.commit()
-                if cfg.checkpoint_every == 0 or self._finished(state):
+                if cfg.checkpoint.every == 0 or self._finished(state):
                     durable.save()
                 continue
             rank, size = self.backend.rank(), self.backend.size()
@@ -319,9 +317,10 @@ class Trainer:
     def _stop_for_preemption(self, state: Any, durable: DurableCheckpoints) -> None:
         t0 = time.time()
         state.commit()
-        with self._dog.section("preemption checkpoint", self.config.grace_seconds + 5):
+        grace = self.config.checkpoint.grace_seconds
+        with self._dog.section("preemption checkpoint", grace + 5):
             durable.save(blocking=True)
-            durable.close(timeout=self.config.grace_seconds)
+            durable.close(timeout=grace)
         state.events.emit("preempted", seconds=round(time.time() - t0, 3),
                           exit_code=PREEMPTED_EXIT_CODE)
         if self.backend.rank() == 0:

@@ -25,7 +25,7 @@ from hvd_resilient.checkpoint import (
     FileEntry,
     step_dir,
 )
-from hvd_resilient.checkpoint.manager import CheckpointExistsError
+from hvd_resilient.checkpoint.errors import CheckpointExistsError
 from hvd_resilient.checkpoint.manifest import FORMAT, SHA256_FORMAT, ManifestError, new_info
 from tests.support.checkpoints import Events, flip_byte
 from tests.support.paths import ROOT

@@ -174,8 +174,8 @@ def test_reuse_can_be_turned_off_from_the_config() -> None:
 
     for env in ({"HVD_RESILIENT_SNAPSHOT_REUSE": "0"},  # its name before it had a section
                 {"HVD_RESILIENT_STORE_SNAPSHOT_REUSE": "0"}):
-        assert TrainConfig.from_sources(env=env).store.snapshot_reuse is False, env
-    assert TrainConfig.from_sources(env={}).store.snapshot_reuse is True
+        assert TrainConfig.from_sources(env=env).checkpoint.snapshot_reuse is False, env
+    assert TrainConfig.from_sources(env={}).checkpoint.snapshot_reuse is True
     assert pool().enabled  # nothing is read at import: the trainer applies the setting
 
 

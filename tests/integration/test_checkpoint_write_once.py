@@ -21,12 +21,9 @@ from hvd_resilient.checkpoint import (
     step_dir,
 )
 from hvd_resilient.checkpoint.cli import main as ckpt_main
-from hvd_resilient.checkpoint.manager import (
-    CheckpointExistsError,
-    default_supersede_tag,
-    validate_tag,
-)
+from hvd_resilient.checkpoint.errors import CheckpointExistsError
 from hvd_resilient.checkpoint.stores import StoreExistsError, open_store
+from hvd_resilient.checkpoint.supersede import default_supersede_tag, validate_tag
 
 MUTATING = ("put", "put_new", "copy", "delete")
 

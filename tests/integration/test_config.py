@@ -40,9 +40,10 @@ def test_precedence_file_env_flags(tmp_path):
 @pytest.mark.parametrize("argv,needle", [
     (["--commit-every", "-3"], "commit_every must be >= 1, got -3 (--commit-every"),
     (["--checkpoint-every", "-1"], "checkpoint_every must be >= 0"),
-    (["--batch-size", "abc"], "batch_size must be a int, got 'abc'"),
+    (["--batch-size", "abc"], "batch_size must be a whole number, got 'abc' (--batch-size)"),
     (["--lr-scaling", "sqrt"], "lr_scaling must be one of none, linear"),
-    (["--checkpoint-url", "gs://b/x"], "checkpoint_url must start with file:// or s3://"),
+    (["--checkpoint-url", "gs://b/x"], "checkpoint_url: unsupported checkpoint URL scheme 'gs'"
+                                       " in 'gs://b/x'; use file:///path or s3://bucket/prefix"),
     (["--run-id", "a/b"], "run_id must be a non-empty name"),
 ])
 def test_bad_values_name_the_field(argv, needle):
@@ -122,6 +123,7 @@ def test_config_file_typo_stops_the_example_with_one_line(tmp_path):
                        capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == FATAL_EXIT_CODE
     (line,) = r.stderr.strip().splitlines()
-    assert line.startswith("hvd-resilient: error: config: unknown field chekpoint_every "
+    assert line.startswith(f"hvd-resilient: error: config: config file {f}: unknown field "
+                           "chekpoint_every "
                            "(did you mean checkpoint_every?)"), line
     assert not (tmp_path / "r").exists()

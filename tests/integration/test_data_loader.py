@@ -144,14 +144,14 @@ def test_a_sample_that_raises_in_a_worker_is_skipped_and_counted(tmp_path: Path)
 
 def test_a_sample_that_raises_in_a_worker_stops_the_process_with_one_line(tmp_path: Path):
     """`fatal` (the default): the entry point exits FATAL (78) with one line naming the
-    sample, as hvd_resilient.errors.exit_on_error prints every error of ours."""
+    sample, as hvd_resilient.cli_errors.exit_on_error prints every error of ours."""
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent("""
         import sys
         from tests.integration.test_data_loader import Slow
         from hvd_resilient.config import DataOptions
         from hvd_resilient.data.loader import ElasticLoader
-        from hvd_resilient.errors import exit_on_error
+        from hvd_resilient.cli_errors import exit_on_error
         from hvd_resilient.state.sampler import ElasticDataSampler
 
         @exit_on_error

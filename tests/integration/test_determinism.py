@@ -5,7 +5,7 @@ Real launches as users launch: `hvd-resilient run --backend horovod` with three 
 workers found by discovery (slot hosts of 127.0.0.1), and `--backend torchrun` with three
 workers. Deterministic mode is asked for through HVD_RESILIENT_DETERMINISTIC=1, which
 `hvd-resilient run` forwards and TrainConfig reads as `deterministic`; the `--deterministic`
-flag of the script is checked by the last test (the trainer hands it to `determinism.apply`).
+flag of the script is checked by the last test (the trainer hands it to the backend).
 """
 
 from __future__ import annotations
@@ -29,20 +29,22 @@ DETERMINISTIC = {"HVD_RESILIENT_DETERMINISTIC": "1"}
 
 
 # -- unit: the switch ----------------------------------------------------------------------
-def test_enabled_reads_the_values_the_config_accepts():
-    from hvd_resilient.backends import determinism
+def test_the_config_reads_the_switch_and_hands_it_to_the_backend():
+    from hvd_resilient import backends
+    from hvd_resilient.config import TrainConfig
     from hvd_resilient.errors import ConfigError
 
     for v in ("1", "true", "Yes", "on"):
-        assert determinism.enabled({determinism.ENV: v})
-    for v in ("0", "false", "no", "off", ""):
-        assert not determinism.enabled({determinism.ENV: v})
-    assert not determinism.enabled({})
-    with pytest.raises(ConfigError, match="deterministic must be a bool.*'maybe'"):
-        determinism.enabled({determinism.ENV: "maybe"})
+        assert TrainConfig.from_sources(env={"HVD_RESILIENT_DETERMINISTIC": v}).deterministic
+    for v in ("0", "false", "no", "off"):
+        assert not TrainConfig.from_sources(env={"HVD_RESILIENT_DETERMINISTIC": v}).deterministic
+    with pytest.raises(ConfigError, match="deterministic must be true or false.*'maybe'"):
+        TrainConfig.from_sources(env={"HVD_RESILIENT_DETERMINISTIC": "maybe"})
+    assert backends.get("torchrun", deterministic=True).deterministic  # an argument, no env
+    assert not backends.get("torchrun").deterministic
 
 
-def test_apply_turns_fusion_off_for_this_process_and_its_reinits():
+def test_apply_sets_the_local_math_and_writes_no_switch_of_ours():
     import torch
 
     from hvd_resilient.backends import determinism
@@ -53,11 +55,10 @@ def test_apply_turns_fusion_off_for_this_process_and_its_reinits():
     try:
         env = {"HOROVOD_FUSION_THRESHOLD": "67108864"}
         assert determinism.apply(True, env)
-        assert env["HOROVOD_FUSION_THRESHOLD"] == "0", "safe for any optimizer until told"
-        assert determinism.enabled(env), "later inits (elastic resets, wrap) must see it"
-        assert env["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        assert env == {"HOROVOD_FUSION_THRESHOLD": "67108864",
+                       "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}, "fusion is horovod_env's"
         assert torch.are_deterministic_algorithms_enabled()
-        assert determinism.apply(True, env)  # again (the trainer, then the backend's init)
+        assert determinism.apply(True, env)  # again (a second backend init)
     finally:
         torch.use_deterministic_algorithms(before)
 
@@ -73,7 +74,7 @@ def test_horovod_env_for_the_ordered_optimizer_and_for_any_other(user, caplog):
         env = {} if user is None else {"HOROVOD_FUSION_THRESHOLD": user}
         determinism.apply(True, env)
         determinism.horovod_env(ordered=True, env=env)
-        # fusion back on, at a threshold the environment fixes (autotune cannot move it)
+        # fusion on, at a threshold the environment fixes (autotune cannot move it)
         assert env["HOROVOD_FUSION_THRESHOLD"] == (user or str(128 * 1024 * 1024))
         assert env["HOROVOD_DISABLE_GROUP_FUSION"] == "1"
         assert "overridden" not in caplog.text
@@ -254,8 +255,8 @@ def test_horovod_default_mode_is_recorded_not_asserted(tmp_path, jobs, record_pr
 @pytest.mark.timeout(180)
 def test_deterministic_flag_of_the_script_reaches_horovod(tmp_path):
     """`--deterministic` on the training script (not only the environment variable): the
-    trainer applies it before Horovod starts (`determinism.apply(cfg.deterministic)` in
-    `Trainer.fit`, before `backend.init`)."""
+    trainer hands it to the backend (`backends.get(..., deterministic=cfg.deterministic)`),
+    whose init sets Horovod's fusion before Horovod starts."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("HOROVOD_FUSION_THRESHOLD", "HVD_RESILIENT_DETERMINISTIC",
                         "HOROVOD_DISABLE_GROUP_FUSION")}
@@ -270,5 +271,6 @@ def test_deterministic_flag_of_the_script_reaches_horovod(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=170, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
-    # The Horovod backend's ordered optimizer: its one group fused alone, in its own order.
-    assert "DET 1 1" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+    # The Horovod backend's ordered optimizer: its one group fused alone, in its own order;
+    # the switch itself went down as an argument, not through the environment.
+    assert "DET None 1" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]

@@ -87,16 +87,18 @@ def test_standby_runs_in_process_only_what_python_itself_would_run_as_is():
 def test_discovery_interval_from_the_environment(monkeypatch):
     from horovod.runner.elastic import driver
 
-    from hvd_resilient.launch.horovod import driver as horovod_driver
+    from hvd_resilient.errors import LaunchError
+    from hvd_resilient.launch.horovod.options import DriverOptions
+    from hvd_resilient.launch.horovod.patches import discovery_interval
+    from hvd_resilient.launch.horovod.patches.context import PatchContext
 
     monkeypatch.setattr(driver, "DISCOVER_HOSTS_FREQUENCY_SECS", 1.0)
-    monkeypatch.setenv("HVD_RESILIENT_DISCOVERY_INTERVAL", "0.25")
-    horovod_driver.set_discovery_interval()
+    options = DriverOptions.read({"HVD_RESILIENT_DISCOVERY_INTERVAL": "0.25"})
+    discovery_interval.install(PatchContext(options))
     assert driver.DISCOVER_HOSTS_FREQUENCY_SECS == 0.25
     for bad in ("fast", "0", "-1"):
-        monkeypatch.setenv("HVD_RESILIENT_DISCOVERY_INTERVAL", bad)
-        with pytest.raises(SystemExit) as e:
-            horovod_driver.set_discovery_interval()
+        with pytest.raises(LaunchError) as e:
+            DriverOptions.read({"HVD_RESILIENT_DISCOVERY_INTERVAL": bad})
         assert "HVD_RESILIENT_DISCOVERY_INTERVAL" in str(e.value) and bad in str(e.value)
     assert driver.DISCOVER_HOSTS_FREQUENCY_SECS == 0.25
 
@@ -135,7 +137,7 @@ def test_slot_hosts_split_per_slot_and_map_back_to_the_machine():
     (["--hosts", "a:0"], "--hosts entry 'a:0' must look like host:slots"),
     (["--np", "5", "--min-np", "1", "--max-np", "4", "--discovery", "/bin/true"],
      "--np 5 must lie between"),
-    (["--checkpoint", "ftp://x"], "checkpoint_url must start with file:// or s3://"),
+    (["--checkpoint", "ftp://x"], "--checkpoint: unsupported checkpoint URL scheme 'ftp'"),
 ])
 def test_bad_options_one_line(tmp_path, argv, needle):
     r = cli("run", "--run-dir", str(tmp_path), *argv, "--", "python", "t.py")

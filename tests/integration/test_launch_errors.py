@@ -363,7 +363,8 @@ def test_fresh_start_sets_checkpoints_aside_before_the_first_launch_only(tmp_pat
 def test_exit_on_error_records_a_supervised_fatal_once_and_prints_otherwise(
         tmp_path, monkeypatch, capsys):
     from hvd_resilient.checkpoint.stores import StoreConfigError, TransientStoreError
-    from hvd_resilient.errors import ConfigError, exit_on_error
+    from hvd_resilient.cli_errors import exit_on_error
+    from hvd_resilient.errors import ConfigError
     from hvd_resilient.events import EventLog
 
     for name in list(os.environ):

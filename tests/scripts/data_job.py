@@ -173,8 +173,9 @@ def main() -> int:
     durable = None
     if a.checkpoint_url:
         durable = DurableCheckpoints(
-            TrainConfig(run_id="data", run_dir=a.run_dir, checkpoint_url=a.checkpoint_url,
-                        checkpoint_every=a.checkpoint_every, keep_last=100),
+            TrainConfig.from_sources(env={}, run_id="data", run_dir=a.run_dir,
+                                     checkpoint_url=a.checkpoint_url,
+                                     checkpoint_every=a.checkpoint_every, keep_last=100),
             state, events, HorovodBackend())
         if hvd.rank() == 0:
             durable.resume()

@@ -15,7 +15,8 @@ import time
 import horovod.torch as hvd
 import torch
 
-from hvd_resilient.errors import ConfigError, exit_on_error
+from hvd_resilient.cli_errors import exit_on_error
+from hvd_resilient.errors import ConfigError
 from hvd_resilient.events import EventLog
 
 

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from hvd_resilient.cli_errors import exit_on_error
 from hvd_resilient.config import TrainConfig
 from hvd_resilient.detect import progress
-from hvd_resilient.errors import exit_on_error
 from hvd_resilient.training.trainer import Trainer
 
 

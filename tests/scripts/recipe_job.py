@@ -27,8 +27,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from hvd_resilient.cli_errors import exit_on_error  # noqa: E402
 from hvd_resilient.config import TrainConfig  # noqa: E402
-from hvd_resilient.errors import exit_on_error  # noqa: E402
 from tests.support import recipes  # noqa: E402
 
 N_SAMPLES = 1536

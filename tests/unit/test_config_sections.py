@@ -39,17 +39,22 @@ def test_encryption_reaches_the_s3_store_and_is_refused_where_it_cannot_apply():
     cfg = TrainConfig.from_sources(env={"HVD_RESILIENT_CHECKPOINT_URL": "s3://b/p",
                                         "HVD_RESILIENT_STORE_SSE_KMS_KEY_ID": "key-1"})
     assert cfg.store.sse == "aws:kms"  # a key implies KMS
-    options = cfg.store.store_options(cfg.checkpoint_url)
+    options = cfg.store.store_options(cfg.checkpoint.url)
     assert options == {"sse": "aws:kms", "sse_kms_key_id": "key-1"}
     from hvd_resilient.checkpoint.stores.s3 import S3Store
 
     store = S3Store("b", "p", check=False, **options)  # no bucket probe: nothing is sent
     assert store._sse_args == {"ServerSideEncryption": "aws:kms", "SSEKMSKeyId": "key-1"}
-    with pytest.raises(ConfigError, match="store_sse must be empty for a non-S3"):
+    with pytest.raises(ConfigError, match="store_sse is read by s3:// checkpoint stores only, "
+                                          "not by file:// ones, got 'AES256' .--store-sse"):
         TrainConfig.from_sources(env={"HVD_RESILIENT_STORE_SSE": "AES256"})
-    with pytest.raises(ConfigError, match="store_sse must be AES256, aws:kms or empty"):
+    with pytest.raises(ConfigError, match="store_sse must be AES256 or aws:kms .or empty"):
         TrainConfig.from_sources(env={"HVD_RESILIENT_CHECKPOINT_URL": "s3://b/p",
                                       "HVD_RESILIENT_STORE_SSE": "rot13"})
+    with pytest.raises(ConfigError, match="store_sse_kms_key_id needs sse=aws:kms"):
+        TrainConfig.from_sources(env={"HVD_RESILIENT_CHECKPOINT_URL": "s3://b/p",
+                                      "HVD_RESILIENT_STORE_SSE": "AES256",
+                                      "HVD_RESILIENT_STORE_SSE_KMS_KEY_ID": "k"})
 
 
 @pytest.mark.parametrize("setting, flag, value", [

@@ -22,7 +22,6 @@ import re
 import shutil
 import subprocess
 import sys
-from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -135,22 +134,28 @@ def matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
 
 
 def run_options(cmd: list[str]):
-    """The driver's arguments parsed by the real `hvd-resilient run` parser."""
+    """The driver's arguments parsed by the real `hvd-resilient run` parser, typed as it
+    types them (`RunOptions`)."""
     from hvd_resilient.launch.cli import build_parser
+    from hvd_resilient.launch.run_options import RUN
 
     assert cmd[0] == "driver", f"the launcher runs the entrypoint's driver mode: {cmd}"
-    opts = build_parser().parse_args(cmd[1:])
+    opts = RUN.build(RUN.read(args=build_parser().parse_args(cmd[1:])))
     train = opts.command[1:] if opts.command[:1] == ["--"] else opts.command
     return opts, train
 
 
 def check_train_command(train: list[str]) -> None:
     """`python examples/digits.py --flag value ...`: the script exists, every flag is known."""
+    import argparse
+
     from hvd_resilient.config import TrainConfig
 
     assert train[:2] == ["python", "examples/digits.py"], train
     assert (ROOT / train[1]).is_file()
-    known = {"--" + f.name.replace("_", "-") for f in fields(TrainConfig)} | {"--lr", "--hidden"}
+    parser = argparse.ArgumentParser()
+    TrainConfig.add_arguments(parser)
+    known = {o for a in parser._actions for o in a.option_strings} | {"--lr", "--hidden"}
     flags = [a for a in train[2:] if a.startswith("--")]
     assert set(flags) <= known, f"unknown training flags {set(flags) - known}"
 

@@ -35,7 +35,7 @@ def owed(step: int, published: int, requested: int, *, rank: int = 1,
          root_holds: bool = False, every: int = 10) -> tuple[bool, int]:
     backend = Backend(rank, root_holds)
     me = SimpleNamespace(
-        config=SimpleNamespace(checkpoint_every=every),
+        config=SimpleNamespace(checkpoint=SimpleNamespace(every=every)),
         state=SimpleNamespace(step=step, ckpt_published=published, ckpt_requested=requested),
         backend=backend,
         _writer=Writer({step} if root_holds else set()) if rank == 0 else None,

@@ -14,7 +14,7 @@ from horovod.runner.http.http_server import KVStoreServer, RendezvousServer
 
 from hvd_resilient.backends.horovod import compat, lost_slots
 from hvd_resilient.detect import heartbeat
-from hvd_resilient.launch.horovod import evict
+from hvd_resilient.launch.horovod.patches import evict
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from hvd_resilient.checkpoint.stores import StoreConfigError, open_store, redact_url
-from hvd_resilient.config import TrainConfig
+from hvd_resilient.config import CheckpointOptions, TrainConfig
 from hvd_resilient.events import EventLog
 from hvd_resilient.masking import (
     has_credentials,
@@ -80,9 +80,9 @@ def test_event_log_scrubs_every_string_whatever_the_caller_passes(tmp_path):
 
 
 def test_train_config_as_recorded_is_masked():
-    cfg = TrainConfig(run_dir="/tmp/x", checkpoint_url=f"s3://K:{SECRET}@b/x")
-    assert cfg.to_dict()["checkpoint_url"] == "s3://***@b/x"
-    assert cfg.checkpoint_url.endswith("@b/x")  # the object itself is unchanged
+    cfg = TrainConfig(run_dir="/tmp/x", checkpoint=CheckpointOptions(url=f"s3://K:{SECRET}@b/x"))
+    assert cfg.to_dict()["checkpoint"]["url"] == "s3://***@b/x"
+    assert cfg.checkpoint.url.endswith("@b/x")  # the object itself is unchanged
 
 
 def test_store_config_errors_are_masked_whoever_raises_them():

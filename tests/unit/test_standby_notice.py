@@ -3,7 +3,7 @@
 Horovod's own elastic test worker waits at most 3 s for that notice ("Timed out waiting for
 notifications from driver."); the standby patch used to hold it back until the newcomers had
 imported torch and Horovod (5-20 s). Here Horovod's real `ElasticDriver` methods, patched by
-`install_standby`, run on a driver object with stand-ins only for what reaches the network
+`patches/standby.py`, run on a driver object with stand-ins only for what reaches the network
 (the worker client, the process start, the rendezvous store), in a child process so that the
 patches never touch this test session's Horovod classes. The newcomer never gets ready (its
 start is a no-op), which is the slowest warm-up there is.
@@ -25,9 +25,10 @@ from horovod.runner.elastic.discovery import DiscoveredHosts
 from horovod.runner.elastic.driver import ElasticDriver
 from horovod.runner.elastic.worker import HostUpdateResult
 
-from hvd_resilient.launch.horovod import driver as ours
+from hvd_resilient.launch.horovod.patches import standby
+from hvd_resilient.launch.horovod.patches.context import PatchContext
 
-ours.install_standby()
+standby.install(PatchContext())
 
 class Client:
     def __init__(self):

@@ -8,7 +8,6 @@ from typing import Any
 import horovod.torch as hvd
 import torch
 
-from hvd_resilient.backends import determinism
 from hvd_resilient.backends.base import Backend
 from hvd_resilient.backends.horovod import init as hvd_init
 from hvd_resilient.backends.horovod import ordered
@@ -21,12 +20,17 @@ class HorovodBackend(Backend):
     name = "horovod"
     resume_on_every_rank = False
 
-    def __init__(self, heartbeat_timeout_s: float = elastic.HEARTBEAT_TIMEOUT_S) -> None:
+    def __init__(self, heartbeat_timeout_s: float = elastic.HEARTBEAT_TIMEOUT_S, *,
+                 deterministic: bool = False, host_check_every: int = 1) -> None:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         """A peer silent this long is evicted (0: heartbeats off)."""
+        self.deterministic = deterministic
+        self.host_check_every = host_check_every
+        """Steps between the ranks' questions whether discovery changed the hosts."""
 
     def init(self, comm: Any | None = None) -> None:
-        hvd_init.init(comm, ordered=True)  # wrap() builds the ordered optimizer when asked
+        # wrap() builds the ordered optimizer when asked
+        hvd_init.init(comm, ordered=True, deterministic=self.deterministic)
 
     def rank(self) -> int:
         return hvd.rank()
@@ -42,7 +46,7 @@ class HorovodBackend(Backend):
             slot = slot_hosts.local_rank()  # with slot hosts hvd.local_rank() is always 0
             torch.cuda.set_device(hvd.local_rank() if slot is None else slot)
             model.cuda()
-        if determinism.enabled():  # gradients averaged in one fixed order (docs/determinism.md)
+        if self.deterministic:  # gradients averaged in one fixed order (docs/determinism.md)
             opt = ordered.ordered_optimizer(optimizer, model.named_parameters())
         else:
             opt = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
@@ -52,6 +56,7 @@ class HorovodBackend(Backend):
         return model, opt
 
     def make_state(self, model: Any, optimizer: Any, **kwargs: Any) -> ElasticState:
+        kwargs.setdefault("host_check_every", self.host_check_every)
         return ElasticState(model, optimizer, **kwargs)
 
     def run(self, fn: Callable[[Any], None], state: Any) -> None:

@@ -21,7 +21,7 @@ TESTED_VERSIONS = ("0.28.1",)
 """Horovod releases the patches were written and tested against."""
 
 DRIVER_TARGETS = (
-    # (module, dotted attribute): launcher side, `launch/horovod/driver.py`
+    # (module, dotted attribute): launcher side, `launch/horovod/patches/`
     ("horovod.runner.util.network", "resolve_host_address"),
     ("horovod.runner.util.remote", "get_remote_command"),
     ("horovod.runner.gloo_run", "get_remote_command"),

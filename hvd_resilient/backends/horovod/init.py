@@ -5,12 +5,12 @@ COMM_WORLD, or a sub-communicator the user passes; under `horovodrun` elastic it
 (MPI cannot change its world). Horovod would pick by itself in most cases; being explicit makes
 the mpi4py communicator the one Horovod uses, so user code can mix mpi4py calls safely.
 
-With HVD_RESILIENT_DETERMINISTIC=1 (set by `determinism.apply`, which the trainer calls for
-`--deterministic`, or by the user) the gradient reductions get a fixed order before Horovod
-starts (`determinism.horovod_env`): for the Horovod backend, whose optimizer reduces all
-gradients as one group in parameter order (`ordered=True`), groups are fused alone and in
-their order; for anyone else's optimizer tensor fusion is off. The settings live in the
-process environment, so the re-inits after elastic resets keep them.
+With ``deterministic=True`` (the backend's, from `TrainConfig.deterministic`) the gradient
+reductions get a fixed order before Horovod starts (`determinism.horovod_env`): for the
+Horovod backend, whose optimizer reduces all gradients as one group in parameter order
+(`ordered=True`), groups are fused alone and in their order; for anyone else's optimizer
+tensor fusion is off. Horovod reads those settings from the process environment, so the
+re-inits after elastic resets keep them.
 """
 
 from __future__ import annotations
@@ -30,10 +30,11 @@ def launched_by_mpi(env: dict[str, str] | os._Environ[str] = os.environ) -> bool
     return mpi and not gloo
 
 
-def init(comm: Any | None = None, *, ordered: bool = False) -> None:
-    """``ordered``: the caller reduces its gradients with `ordered.ordered_optimizer`."""
+def init(comm: Any | None = None, *, ordered: bool = False, deterministic: bool = False) -> None:
+    """``ordered``: the caller reduces its gradients with `ordered.ordered_optimizer`;
+    ``deterministic``: reduce them in a fixed order (docs/determinism.md)."""
     check_compatible(driver=False)
-    if determinism.apply(determinism.enabled()):  # before hvd.init: Horovod reads it there
+    if determinism.apply(deterministic):  # before hvd.init: Horovod reads it there
         determinism.horovod_env(ordered)
     if comm is None and launched_by_mpi():
         from mpi4py import MPI

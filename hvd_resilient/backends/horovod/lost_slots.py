@@ -3,9 +3,9 @@
 Horovod re-forms the world only when every worker has failed or reached the rendezvous; a
 frozen worker does neither. So the detecting rank PUTs the silent slot into the driver's
 rendezvous key-value store (scope `LOST_SCOPE`), where the project's driver
-(`launch/horovod/evict.py`) ends that slot's worker at once, and trips the hang-up watch so
-that its own blocked collective fails and its peers see hang-ups. The rest (the event, killing
-a silent peer on this machine) is `detect/silent_peers.py`.
+(`launch/horovod/patches/evict.py`) ends that slot's worker at once, and trips the hang-up
+watch so that its own blocked collective fails and its peers see hang-ups. The rest (the
+event, killing a silent peer on this machine) is `detect/silent_peers.py`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ def slot_key() -> str:
 def report(peers: list[heartbeat.Peer], address: tuple[str, int] | None,
            reporter: str = "") -> None:
     """Names each silent peer's slot to the driver (best effort), and who names it: the
-    driver ignores a report from a slot it has already ended (`launch/horovod/evict.py`)."""
+    driver ignores a report from a slot it has already ended
+    (`launch/horovod/patches/evict.py`)."""
     if address is None:
         return
     for p in peers:

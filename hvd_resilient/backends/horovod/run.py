@@ -13,6 +13,7 @@ import functools
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import horovod.torch as hvd
@@ -46,87 +47,136 @@ def run(func: Callable[..., T] | None = None, *,
 
     @functools.wraps(func)
     def wrapper(state: ElasticState, *args: Any, **kwargs: Any) -> T:
+        train = functools.partial(func, state, *args, **kwargs)
         if not is_elastic():  # mpirun, srun: a silent peer ends this worker, and so the job
-            detectors = Detectors(SilentPeers(heartbeat_timeout_s, state.events,
-                                              machine=slots.machine(), slot="",
-                                              coordinator=None))
-            detectors.arm_with(hvd.rank(), hvd.allgather_object)
-            state.sync()
-            result = func(state, *args, **kwargs)
-            detectors.disarm()  # still sending: nobody leaves while a peer still judges
-            hvd.allreduce(torch.zeros(1), name="hvd_resilient.done")
-            return result
-        notification_manager.init()
-        notification_manager.register_listener(state)
-        driver_watch.start(state.events)
-        watch = GlooWatch()
+            return _run_static(train, state, heartbeat_timeout_s)
+        return _run_elastic(train, state, heartbeat_timeout_s)
+
+    return wrapper
+
+
+def _run_static(train: Callable[[], T], state: ElasticState, heartbeat_timeout_s: float) -> T:
+    """One world, synced once; a failure ends the job, resumed from a durable checkpoint."""
+    detectors = Detectors(SilentPeers(heartbeat_timeout_s, state.events,
+                                      machine=slots.machine(), slot="", coordinator=None))
+    detectors.arm_with(hvd.rank(), hvd.allgather_object)
+    state.sync()
+    result = train()
+    _finish(detectors)
+    return result
+
+
+def _run_elastic(train: Callable[[], T], state: ElasticState, heartbeat_timeout_s: float) -> T:
+    """Train; on a failed collective recover (restore the last commit), on a host change note
+    it; either way reset into the new world and train again from the sync."""
+    notification_manager.init()
+    notification_manager.register_listener(state)
+    driver_watch.start(state.events)
+    w = _Watch.start(state, heartbeat_timeout_s)
+    skip_sync = False
+    try:
+        while True:
+            try:
+                return _attempt(train, state, w.detectors, skip_sync)
+            except HorovodInternalError as e:
+                detected, skip_sync = _recover(e, state, w), False
+            except HostsUpdatedInterrupt as e:
+                detected, skip_sync = _hosts_changed(e, state, w), e.skip_sync
+            _reset(state, detected)
+    finally:
+        w.detectors.disarm()
+        notification_manager.remove_listener(state)
+
+
+@dataclass
+class _Watch:
+    """This worker's failure detectors in an elastic job, and what they report to."""
+
+    gloo: GlooWatch
+    driver: tuple[str, int] | None  # the driver's rendezvous address (None: unknown)
+    slot: str
+    detectors: Detectors
+
+    @classmethod
+    def start(cls, state: ElasticState, heartbeat_timeout_s: float) -> _Watch:
+        gloo = GlooWatch()
         driver = driver_watch.driver_address()
         slot = lost_slots.slot_key()
         silent = SilentPeers(heartbeat_timeout_s, state.events, machine=slots.machine(),
                              slot=slot, coordinator=driver,
-                             evict=lost_slots.DriverEvict(driver, slot, watch.trip))
-        detectors = Detectors(watch, silent)
-        skip_sync = False
-        try:
-            while True:
-                try:
-                    with progress.section("sync", None):  # waits for joiners, as long as it takes
-                        _arm(detectors, state)
-                        if not skip_sync:
-                            t0 = time.time()
-                            state.sync()
-                            state.events.emit("sync", seconds=round(time.time() - t0, 6))
-                    result = func(state, *args, **kwargs)
-                    # Nobody may leave (and hang up on a still-watching peer) before everyone
-                    # stopped watching: disarm, then meet once more.
-                    detectors.disarm()
-                    hvd.allreduce(torch.zeros(1), name="hvd_resilient.done")
-                    return result
-                except HorovodInternalError as e:
-                    detected = time.time()
-                    hangup.hang_up(watch.stand_down())  # peers blocked on us fail now
-                    if lost_slots.evicted_within(driver, slot, os.getpid(), lost_slots.ASK_S,
-                                                 until_answer=True):
-                        log.error("the other workers evicted this one as silent (frozen or cut "
-                                  "off) and went on without it; exiting (code %d) without "
-                                  "writing", HUNG_EXIT_CODE)
-                        exit_now(HUNG_EXIT_CODE)
-                    with progress.section("recovery", None):  # until the next sync, unbounded
-                        detectors.disarm()
-                        hung_up = watch.detected_at
-                        state.events.emit(
-                            "failure_detected", error=one_line(e, typed=True),
-                            peer_hangup=watch.detail or None,
-                            detect_seconds=round(detected - hung_up, 6) if hung_up else None,
-                        )
-                        if hung_up:
-                            detected = hung_up
-                        log.warning("collective failed (%s); restoring the last commit",
-                                    one_line(e, typed=True))
-                        state.restore()
-                    skip_sync = False
-                except HostsUpdatedInterrupt as e:
-                    detected = time.time()
-                    with progress.section("recovery", None):
-                        detectors.disarm()
-                        state.events.emit("hosts_changed", removed_only=bool(e.skip_sync))
-                    skip_sync = e.skip_sync
-                old_size = hvd.size()
-                with progress.section("reset", None):  # the driver may wait minutes for hosts
-                    hvd.shutdown()
-                    hvd.init()
-                    state.on_reset()
-                state.events.emit(
-                    "reset", old_size=old_size, new_size=hvd.size(),
-                    seconds=round(time.time() - detected, 6),
-                )
-                if hvd.rank() == 0:
-                    log.info("reset: world size %d -> %d", old_size, hvd.size())
-        finally:
-            detectors.disarm()
-            notification_manager.remove_listener(state)
+                             evict=lost_slots.DriverEvict(driver, slot, gloo.trip),
+                             quiet_for=gloo.quiet_for)
+        return cls(gloo, driver, slot, Detectors(gloo, silent))
 
-    return wrapper
+
+def _attempt(train: Callable[[], T], state: ElasticState, detectors: Detectors,
+             skip_sync: bool) -> T:
+    """Sync (unless only hosts were removed), then train to the end."""
+    with progress.section("sync", None):  # waits for joiners, as long as it takes
+        _arm(detectors, state)
+        if not skip_sync:
+            t0 = time.time()
+            state.sync()
+            state.events.emit("sync", seconds=round(time.time() - t0, 6))
+    result = train()
+    _finish(detectors)
+    return result
+
+
+def _finish(detectors: Detectors) -> None:
+    """Nobody may leave (and hang up on a still-watching peer) before everyone stopped
+    watching: disarm, then meet once more."""
+    detectors.disarm()
+    hvd.allreduce(torch.zeros(1), name="hvd_resilient.done")
+
+
+def _recover(e: HorovodInternalError, state: ElasticState, w: _Watch) -> float:
+    """A collective failed: peers blocked on this worker are let go, a worker its peers
+    evicted exits, the others restore the last commit. Returns when the failure was detected
+    (the first hang-up, when the watch saw one)."""
+    detected = time.time()
+    hangup.hang_up(w.gloo.stand_down())  # peers blocked on us fail now
+    if lost_slots.evicted_within(w.driver, w.slot, os.getpid(), lost_slots.ASK_S,
+                                 until_answer=True):
+        log.error("the other workers evicted this one as silent (frozen or cut off) and went "
+                  "on without it; exiting (code %d) without writing", HUNG_EXIT_CODE)
+        exit_now(HUNG_EXIT_CODE)
+    with progress.section("recovery", None):  # until the next sync, unbounded
+        w.detectors.disarm()
+        hung_up = w.gloo.detected_at
+        state.events.emit(
+            "failure_detected", error=one_line(e, typed=True),
+            peer_hangup=w.gloo.detail or None,
+            detect_seconds=round(detected - hung_up, 6) if hung_up else None,
+        )
+        if hung_up:
+            detected = hung_up
+        log.warning("collective failed (%s); restoring the last commit", one_line(e, typed=True))
+        state.restore()
+    return detected
+
+
+def _hosts_changed(e: HostsUpdatedInterrupt, state: ElasticState, w: _Watch) -> float:
+    """The driver announced a host change at a commit: nothing to restore. Returns when it was
+    seen."""
+    detected = time.time()
+    with progress.section("recovery", None):
+        w.detectors.disarm()
+        state.events.emit("hosts_changed", removed_only=bool(e.skip_sync))
+    return detected
+
+
+def _reset(state: ElasticState, detected: float) -> None:
+    """Horovod re-formed: this worker joins the new world."""
+    old_size = hvd.size()
+    with progress.section("reset", None):  # the driver may wait minutes for hosts
+        hvd.shutdown()
+        hvd.init()
+        state.on_reset()
+    state.events.emit("reset", old_size=old_size, new_size=hvd.size(),
+                      seconds=round(time.time() - detected, 6))
+    if hvd.rank() == 0:
+        log.info("reset: world size %d -> %d", old_size, hvd.size())
 
 
 def _arm(detectors: Detectors, state: ElasticState) -> None:

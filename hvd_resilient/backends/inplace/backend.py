@@ -84,7 +84,8 @@ class InPlaceBackend(Backend):
     reduces_in_backward = False  # the gradients are averaged at optimizer.step() (grads.py)
 
     def __init__(self, pg_timeout_seconds: float = 300.0, heartbeat_timeout_s: float = 1.5,
-                 generation_timeout_s: float = 120.0) -> None:
+                 generation_timeout_s: float = 120.0, *, deterministic: bool = False) -> None:
+        self.deterministic = deterministic
         self.pg_timeout = datetime.timedelta(seconds=pg_timeout_seconds)
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.generation_timeout_s = generation_timeout_s
@@ -92,7 +93,7 @@ class InPlaceBackend(Backend):
         self.collectives = TorchDistCollectives()
 
     def init(self, comm: Any | None = None) -> None:
-        determinism.apply(determinism.enabled())
+        determinism.apply(self.deterministic)
         m = self.membership = Membership(self.generation_timeout_s)
         if m.expect_to_join():
             return  # a latecomer: set up first, announce at run() (the others train on)
@@ -152,7 +153,8 @@ class InPlaceBackend(Backend):
         watch = GlooWatch()
         detectors = Detectors(watch, SilentPeers(
             self.heartbeat_timeout_s, state.events, machine=socket.gethostname(),
-            slot=str(m.me), coordinator=None, evict=_AgentEvict(m, watch.trip)))
+            slot=str(m.me), coordinator=None, evict=_AgentEvict(m, watch.trip),
+            quiet_for=watch.quiet_for))
         failed_in_a_row, last_commit = 0, state.last_commit_step
         if m.generation > 0 and m.announced_at is not None:  # a replacement, taken in now
             state.events.emit("joined", member=m.me, generation=m.generation,

@@ -8,9 +8,9 @@ Keys of each round live under their own prefix here, so a restarted round never 
 
 DDP lays its gradient buckets out in parameter order for a process's first step and rebuilds
 them in gradient-ready order after it, so with 3 or more ranks the first step after a restart
-rounds differently from the same step of a run never restarted. With
-HVD_RESILIENT_DETERMINISTIC=1 (`--deterministic`) a communication hook reduces all gradients
-as one buffer laid out in parameter order, whatever their buckets (`determinism`).
+rounds differently from the same step of a run never restarted. With ``deterministic=True``
+(`--deterministic`) a communication hook reduces all gradients as one buffer laid out in
+parameter order, whatever their buckets (`determinism`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ class TorchDistBackend(Backend):
     reduces_in_backward = True
 
     def __init__(self, fsdp: bool = False, pg_timeout_seconds: float = 300.0,
-                 heartbeat_timeout_s: float = 1.5) -> None:
+                 heartbeat_timeout_s: float = 1.5, *, deterministic: bool = False) -> None:
+        self.deterministic = deterministic
         self.heartbeat_timeout_s = heartbeat_timeout_s
         """A peer silent this long (frozen, cut off) makes this worker exit, so that torchrun
         restarts now instead of after the process-group timeout (0: off)."""
@@ -51,9 +52,10 @@ class TorchDistBackend(Backend):
         """How long forming the process group (and its store) may take (config: recovery)."""
 
     def init(self, comm: Any | None = None) -> None:
-        env = os.environ
-        determinism.apply(determinism.enabled())  # local math; the DDP hook comes in wrap()
+        env = os.environ  # torchrun's agent hands its workers their place here
+        determinism.apply(self.deterministic)  # local math; the DDP hook comes in wrap()
         rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        self.coordinator = (env["MASTER_ADDR"], int(env["MASTER_PORT"]))
         use_cuda = torch.cuda.is_available()
         if use_cuda:
             self.device = torch.device("cuda", int(env.get("LOCAL_RANK", "0")))
@@ -62,8 +64,8 @@ class TorchDistBackend(Backend):
         # restart count (right while no node joins later)
         restart = env.get("HVD_RESILIENT_RDZV_ROUND") or env.get("TORCHELASTIC_RESTART_COUNT",
                                                                   "0")
-        base = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size=world,
-                             is_master=False, timeout=self.pg_timeout)
+        base = dist.TCPStore(*self.coordinator, world_size=world, is_master=False,
+                             timeout=self.pg_timeout)
         store = dist.PrefixStore(f"hvd_resilient/round{restart}/", base)
         dist.init_process_group("nccl" if use_cuda else "gloo", store=store, rank=rank,
                                 world_size=world, timeout=self.pg_timeout)
@@ -83,7 +85,7 @@ class TorchDistBackend(Backend):
         if self.fsdp:
             from hvd_resilient.backends.torchrun import fsdp
 
-            if determinism.enabled() and self.rank() == 0:
+            if self.deterministic and self.rank() == 0:
                 from hvd_resilient.log import get
 
                 get("determinism").warning("--deterministic does not cover FSDP's reductions "
@@ -94,7 +96,7 @@ class TorchDistBackend(Backend):
         model.to(self.device)
         ids = [self.device.index] if self.device.type == "cuda" else None
         ddp = DDP(model, device_ids=ids)
-        if determinism.enabled():
+        if self.deterministic:
             determinism.register_ddp_hook(ddp)
         return ddp, optimizer
 
@@ -106,7 +108,7 @@ class TorchDistBackend(Backend):
         env = os.environ
         silent = SilentPeers(self.heartbeat_timeout_s, state.events, machine=socket.gethostname(),
                              slot=f"local rank {env.get('LOCAL_RANK', '?')}",
-                             coordinator=(env["MASTER_ADDR"], int(env["MASTER_PORT"])))
+                             coordinator=self.coordinator)
         # No Gloo hang-up watch: torchrun's agent sees a dead worker and restarts every one.
         detectors = Detectors(silent)
         state.events.emit("watch", **detectors.arm_with(self.rank(), self.allgather_object))

@@ -39,14 +39,9 @@ from typing import Any
 
 from hvd_resilient import errors
 from hvd_resilient.checkpoint.digest import new_hasher
-from hvd_resilient.checkpoint.manager import (
-    CheckpointError,
-    CheckpointManager,
-    EventFn,
-    ScanResult,
-    emit,
-    file_problem,
-)
+from hvd_resilient.checkpoint.errors import CheckpointError
+from hvd_resilient.checkpoint.events import EventFn, emit
+from hvd_resilient.checkpoint.manager import CheckpointManager
 from hvd_resilient.checkpoint.manifest import (
     SHARD_DIR,
     SHARDED,
@@ -54,6 +49,7 @@ from hvd_resilient.checkpoint.manifest import (
     FileEntry,
     step_dir,
 )
+from hvd_resilient.checkpoint.reader import ScanResult, file_problem
 from hvd_resilient.checkpoint.serialize import TensorSpec, check_state_dict
 from hvd_resilient.checkpoint.stores import Buffer, StoreError
 
@@ -240,14 +236,14 @@ class ShardedCheckpointer:
             except StoreError as e:
                 logger.warning("pruning %s failed: %s", self.manager.url, one_line(e))
 
-    def close(self, timeout: float | None = None) -> None:
+    def close(self, timeout: float | None = None) -> bool:
         """Waits for the upload in flight, then releases the checkpoints' process group (its
         creator's to release: left to interpreter teardown, a Gloo group's threads can abort
-        a finished worker with "terminate called without an active exception")."""
-        if not self.wait(timeout):
-            logger.warning("a sharded checkpoint upload was still running at exit; it stays "
-                           "invisible (no manifest)")
-        elif self.group is not None:
+        a finished worker with "terminate called without an active exception"). False if the
+        upload was still running after ``timeout``: it stays invisible (no manifest) unless it
+        ends before the process, and the group is left to it."""
+        flushed = self.wait(timeout)
+        if flushed and self.group is not None:
             import torch.distributed as dist
 
             if dist.is_initialized():
@@ -255,6 +251,7 @@ class ShardedCheckpointer:
             self.group = None
         with contextlib.suppress(OSError):  # empty once nothing is in flight
             os.rmdir(self.staging_dir)
+        return flushed
 
     # ---- load -----------------------------------------------------------------------------
 
@@ -395,7 +392,7 @@ def check_fits(state: dict[str, Any], saved: Mapping[str, Any]) -> None:
 def _check_file(path: str, name: str, entry: FileEntry) -> str:
     """The problem with the file at ``path`` against its manifest entry ("" if none),
     hashed in chunks so a multi-GB shard is never read into memory whole (the in-place
-    form of :meth:`CheckpointManager.check_file`, worded by the same ``file_problem``)."""
+    form of :meth:`CheckpointReader.check_file`, worded by the same ``file_problem``)."""
     try:
         size = os.path.getsize(path)
         if size != entry.size:

@@ -13,8 +13,9 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable, Iterable
-from typing import TypeVar
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ClassVar, TypeVar
+from urllib.parse import SplitResult
 
 from hvd_resilient.checkpoint.digest import SHA256, new_hasher
 from hvd_resilient.checkpoint.host_buffers import allocate
@@ -67,6 +68,16 @@ class StoreConfigError(StoreError):
         super().__init__(mask_text(str(message)), *args)
 
 
+class StoreSettingError(StoreConfigError):
+    """A store setting (the config's `store` section, or the same keyword of a store's
+    constructor) with a value this store cannot use. ``setting`` names it, so that the config
+    can say which flag and environment variable to fix."""
+
+    def __init__(self, setting: str, detail: str, value: object) -> None:
+        super().__init__(f"{setting} {detail}, got {value!r}")
+        self.setting, self.detail, self.value = setting, detail, value
+
+
 class SizeMismatchError(StoreError):
     """The stored object's size differs from the size the caller expected (torn or replaced)."""
 
@@ -108,6 +119,40 @@ class CheckpointStore(abc.ABC):
 
     #: The base URL without credentials; safe to log and to put into events.
     url: str
+
+    #: How this store's URLs look, for messages (``s3://bucket/prefix``); the registry's
+    #: ``SUPPORTED_URLS`` joins them.
+    url_form: ClassVar[str] = ""
+    #: The config's ``store`` settings this kind of store reads (constructor keywords of the
+    #: same names); one set for a store that does not read it is refused, not ignored.
+    settings: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    @abc.abstractmethod
+    def url_args(cls, parts: SplitResult, url: str) -> dict[str, Any]:
+        """The constructor's location arguments for ``url`` (split as ``parts``; its scheme
+        is this store's, or empty for a plain path), without any I/O.
+
+        Raises:
+            StoreConfigError: the URL names no location this store can use.
+        """
+
+    @classmethod
+    def from_url(cls, parts: SplitResult, url: str, **options: Any) -> CheckpointStore:
+        """The store behind ``url``; ``options`` go to the constructor."""
+        return cls(**cls.url_args(parts, url), **options)
+
+    @classmethod
+    def check_settings(cls, settings: Mapping[str, Any]) -> dict[str, Any]:
+        """The constructor's keywords for ``settings`` (names from :attr:`settings`; "" or
+        None: unset, left out), checked and normalised. The one place a store's settings
+        are checked: the config calls it before training, the constructor again for
+        keywords given directly.
+
+        Raises:
+            StoreSettingError: a value this store cannot use, naming the setting.
+        """
+        return {k: v for k, v in settings.items() if v not in ("", None)}
 
     def __init__(
         self, *, retries: int = 3, backoff_base: float = 0.5, backoff_cap: float = 8.0

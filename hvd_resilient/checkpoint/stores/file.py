@@ -16,6 +16,8 @@ import shutil
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
+from urllib.parse import SplitResult
 
 from hvd_resilient.checkpoint.stores.base import (
     CheckpointStore,
@@ -76,6 +78,19 @@ class FileStore(CheckpointStore):
     Raises:
         StoreConfigError: ``root`` exists but is not a directory.
     """
+
+    url_form = "file:///path"
+
+    @classmethod
+    def url_args(cls, parts: SplitResult, url: str) -> dict[str, Any]:
+        """``file:///abs/path`` (or ``file://localhost/...``), or a plain path."""
+        if not parts.scheme:
+            return {"root": url}
+        if parts.netloc not in ("", "localhost"):
+            raise StoreConfigError(
+                f"file URL {url!r} names host {parts.netloc!r}; use {cls.url_form} (an "
+                "absolute path)")
+        return {"root": parts.path}
 
     def __init__(
         self,

@@ -22,9 +22,10 @@ import logging
 import re
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
+from urllib.parse import SplitResult
 
 from hvd_resilient.checkpoint.stores.base import (
     CheckpointStore,
@@ -35,6 +36,7 @@ from hvd_resilient.checkpoint.stores.base import (
     StoreExistsError,
     StoreNotFoundError,
     StorePermissionError,
+    StoreSettingError,
     TransientStoreError,
     redact_url,
 )
@@ -67,6 +69,8 @@ _TRANSIENT_CODES = {
     "OperationAborted",
 }
 _CONTENT_RANGE = re.compile(r"bytes \d+-\d+/(\d+)")
+SSE_MODES = ("AES256", "aws:kms")
+"""S3's server-side encryption modes."""
 #: copy_object's limit; larger objects are copied in parts (upload_part_copy).
 _COPY_LIMIT = 5 << 30
 
@@ -174,6 +178,31 @@ class S3Store(CheckpointStore):
         TransientStoreError: the endpoint could not be reached (after retries).
     """
 
+    url_form = "s3://bucket/prefix"
+    settings = ("sse", "sse_kms_key_id")
+
+    @classmethod
+    def url_args(cls, parts: SplitResult, url: str) -> dict[str, Any]:
+        if not parts.netloc:
+            raise StoreConfigError(f"S3 URL {redact_url(url)!r} has no bucket; use {cls.url_form}")
+        return {"bucket": parts.netloc, "prefix": parts.path.strip("/")}
+
+    @classmethod
+    def check_settings(cls, settings: Mapping[str, Any]) -> dict[str, Any]:
+        """A KMS key implies ``sse="aws:kms"``; with any other mode it is refused, as is a
+        mode S3 does not have."""
+        out = super().check_settings(settings)
+        sse, key = out.get("sse"), out.get("sse_kms_key_id")
+        if key and sse not in (None, "aws:kms"):
+            raise StoreSettingError("sse_kms_key_id", "needs sse=aws:kms (or no sse: a key "
+                                    f"implies it), not sse={sse!r}", key)
+        if key:
+            out["sse"] = "aws:kms"
+        elif sse is not None and sse not in SSE_MODES:
+            raise StoreSettingError("sse", f"must be {' or '.join(SSE_MODES)} (or empty: the "
+                                    "bucket's default)", sse)
+        return out
+
     def __init__(
         self,
         bucket: str,
@@ -197,17 +226,13 @@ class S3Store(CheckpointStore):
     ) -> None:
         super().__init__(retries=retries, backoff_base=backoff_base, backoff_cap=backoff_cap)
         if not bucket:
-            raise StoreConfigError("S3 bucket name is empty; use s3://bucket/prefix")
+            raise StoreConfigError(f"S3 bucket name is empty; use {self.url_form}")
         if part_size < 5 * MiB:
             raise StoreConfigError(f"part_size must be >= 5 MiB (S3's minimum), got {part_size}")
         if threads < 1:
             raise StoreConfigError(f"threads must be >= 1, got {threads}")
-        if sse_kms_key_id and sse not in (None, "aws:kms"):
-            raise StoreConfigError(f"sse_kms_key_id needs sse='aws:kms', got sse={sse!r}")
-        if sse_kms_key_id:
-            sse = "aws:kms"
-        if sse not in (None, "AES256", "aws:kms"):
-            raise StoreConfigError(f"sse must be 'AES256' or 'aws:kms', got {sse!r}")
+        checked = self.check_settings({"sse": sse, "sse_kms_key_id": sse_kms_key_id})
+        sse, sse_kms_key_id = checked.get("sse"), checked.get("sse_kms_key_id")
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"

@@ -1,7 +1,7 @@
 """``hvd-resilient plan [RUN_FOLDER]``: predicted ETTR of a job at scale, per strategy.
 
 Exit codes: 0 plan printed; bad input is a `ConfigError`, printed as one line by the
-`hvd-resilient` entry point (`errors.exit_on_error`), never a traceback.
+`hvd-resilient` entry point (`cli_errors.exit_on_error`), never a traceback.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ import psutil
 from hvd_resilient.backends.horovod import compat
 from hvd_resilient.backends.horovod import slots as slot_hosts
 from hvd_resilient.backends.horovod.lost_slots import LOST_SCOPE
+from hvd_resilient.launch.horovod.patches.context import PatchContext
 
 logger = logging.getLogger("hvd_resilient.launch")
 
@@ -57,7 +58,10 @@ def end_slot(hostname: str, local_rank: str, pid: int,
         return ""
     remote = any(_name(p) == "ssh" for p in procs)
     for p in procs:
-        for q in [*_descendants(p), p]:
+        # The launch process first, its descendants (listed before it dies) after: a shell
+        # whose worker died first can exit on its own before its kill lands, with a status
+        # of its choosing (0 after `worker; true`), which Horovod takes for the slot's.
+        for q in [p, *_descendants(p)]:
             try:
                 q.kill()
             except psutil.Error:
@@ -82,17 +86,6 @@ def ssh_killer(port: str | None, identity: str | None) -> Callable[[str, int], N
             logger.warning("could not reach %s to kill its frozen worker %d", host, pid)
 
     return kill
-
-
-def ssh_settings(argv: list[str]) -> tuple[str | None, str | None]:
-    """horovodrun's -p/--ssh-port and -i/--ssh-identity-file from its arguments."""
-    port = identity = None
-    for i, a in enumerate(argv[:-1]):
-        if a in ("-p", "--ssh-port"):
-            port = argv[i + 1]
-        elif a in ("-i", "--ssh-identity-file"):
-            identity = argv[i + 1]
-    return port, identity
 
 
 def watch(driver: Any, remote_kill: Callable[[str, int], None], emit: Callable[..., Any],
@@ -143,22 +136,27 @@ def keep_verdicts(driver: Any) -> None:
             httpd.cache = _KeepsVerdicts(httpd.cache)
 
 
-def install(argv: list[str], emit: Callable[..., Any]) -> None:
-    """Starts the watch with the first workers of each driver."""
-    from horovod.runner.elastic.driver import ElasticDriver
+def start_and_watch(start: Callable[..., None], remote_kill: Callable[[str, int], None],
+                    emit: Callable[..., Any]) -> Callable[..., None]:
+    """`ElasticDriver._start_worker_processes` that starts the driver's watch first, once."""
 
-    start = ElasticDriver._start_worker_processes
-    killer = ssh_killer(*ssh_settings(argv))
-
-    def start_and_watch(self: Any, pending_slots: list[Any]) -> None:
+    def start_worker_processes(self: Any, pending_slots: list[Any]) -> None:
         if not self.__dict__.get("_hvdr_evict"):
             self.__dict__["_hvdr_evict"] = True
             keep_verdicts(self)
-            threading.Thread(target=watch, args=(self, killer, emit), daemon=True,
+            threading.Thread(target=watch, args=(self, remote_kill, emit), daemon=True,
                              name="hvd-resilient-evict").start()
         start(self, pending_slots)
 
-    compat.replace(ElasticDriver, "_start_worker_processes", start_and_watch)
+    return start_worker_processes
+
+
+def install(ctx: PatchContext) -> None:
+    from horovod.runner.elastic.driver import ElasticDriver
+
+    killer = ssh_killer(ctx.options.ssh_port, ctx.options.ssh_identity)
+    compat.replace(ElasticDriver, "_start_worker_processes",
+                   start_and_watch(ElasticDriver._start_worker_processes, killer, ctx.emit))
 
 
 def _name(p: psutil.Process) -> str:

@@ -1,0 +1,71 @@
+"""What the driver teaches Horovod's launcher: one module per patch family, installed in the
+one order below.
+
+Each family only wraps (or replaces) methods of Horovod's launcher, through
+`backends/horovod/compat.replace`, which refuses a target `check_compatible` does not check;
+the protocol between driver and workers stays Horovod's own. Each is handed the
+`PatchContext` (the switches read once at the driver's entry, the event log, what it saw)
+and reads no environment.
+
+The order matters where two families touch the same method: the later one wraps what the
+earlier one left, and a family that replaces a method outright must come before any that
+wraps it. The reasons are told beside each entry of `ORDER`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hvd_resilient.launch.horovod.options import DriverOptions
+from hvd_resilient.launch.horovod.patches import (
+    discovery_check,
+    discovery_interval,
+    evict,
+    fatal_stop,
+    slot_hosts,
+    standby,
+)
+from hvd_resilient.launch.horovod.patches.context import PatchContext
+
+logger = logging.getLogger("hvd_resilient.launch")
+
+
+@dataclass(frozen=True)
+class Patch:
+    name: str
+    install: Callable[[PatchContext], None]
+    wanted: Callable[[DriverOptions], bool] = lambda options: True
+    """Whether this launch wants it (its switch)."""
+
+
+ORDER: tuple[Patch, ...] = (
+    # HVD_RESILIENT_DISCOVERY_INTERVAL: a constant, touched by nothing else.
+    Patch("discovery_interval", discovery_interval.install,
+          lambda o: o.discovery_interval_s is not None),
+    # Replaces HostDiscoveryScript.find_available_hosts_and_slots outright: before the
+    # slot split, which wraps the checked answer.
+    Patch("discovery_check", discovery_check.install),
+    # HVD_RESILIENT_SLOT_HOSTS: splits what discovery answers (checked, above).
+    Patch("slot_hosts", slot_hosts.install, lambda o: o.slot_hosts),
+    # Wraps _handle_worker_exit: before the standby, which wraps it again, so that a standby
+    # exiting before its release is only logged (it never stops the job).
+    Patch("fatal_stop", fatal_stop.install),
+    # HVD_RESILIENT_STANDBY: replaces _start_worker_processes outright (it starts or releases
+    # each slot itself), so the eviction watch, which wraps it, comes after.
+    Patch("standby", standby.install, lambda o: o.standby),
+    # Wraps _start_worker_processes: the watch starts with the first workers.
+    Patch("evict", evict.install),
+)
+
+
+def install(ctx: PatchContext, order: tuple[Patch, ...] = ORDER) -> list[str]:
+    """Installs the families this launch wants, in `order`; returns their names."""
+    names = []
+    for patch in order:
+        if patch.wanted(ctx.options):
+            patch.install(ctx)
+            names.append(patch.name)
+    logger.debug("Horovod launcher patched: %s", ", ".join(names))
+    return names

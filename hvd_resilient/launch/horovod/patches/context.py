@@ -1,0 +1,46 @@
+"""What every patch family is handed, and what they tell the driver's entry point back.
+
+One launcher runs per driver process, so one context: the switches read at the entry, the
+run's event log (opened on first use: rank -1, not a worker), and what the patches saw that
+decides the driver's last line (a worker's fatal stop, an unusable first discovery answer,
+launcher threads that ended in an exception).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from hvd_resilient.errors import one_line
+from hvd_resilient.launch.horovod.options import DriverOptions
+
+
+def masked_line(e: BaseException | str) -> str:
+    """An error as one line, credentials masked: what the driver prints or records."""
+    from hvd_resilient.masking import mask_text
+
+    return mask_text(one_line(e, limit=10_000))
+
+
+@dataclass
+class PatchContext:
+    options: DriverOptions = field(default_factory=DriverOptions)
+    fatal: str = ""
+    """The first worker that exited with FATAL_EXIT_CODE (`host[local_rank]`)."""
+    discovery_error: str = ""
+    """Why the discovery script's first answer was unusable."""
+    thread_errors: list[str] = field(default_factory=list)
+    """First lines of the exceptions that ended launcher threads."""
+    _events: Any = field(default=None, repr=False)
+
+    def emit(self, event: str, **fields: Any) -> None:
+        """One event in the run's event log (none outside `hvd-resilient run`)."""
+        if self._events is None:
+            from hvd_resilient.events import EventLog
+            from hvd_resilient.fatal_events import EVENTS_FILE
+
+            run_dir = self.options.run_dir
+            self._events = EventLog(os.path.join(run_dir, EVENTS_FILE) if run_dir else None,
+                                    rank=-1, size=0, step=0)
+        self._events.emit(event, **fields)

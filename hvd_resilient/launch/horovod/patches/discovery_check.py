@@ -1,0 +1,59 @@
+"""The discovery script's output, checked: a line Horovod would misread is refused.
+
+Horovod would make a host named `hello world`, or die with a traceback on `localhost:lots`.
+Its parsing is replaced by `parse_discovery_output`: a bad first answer stops the job with one
+line naming the line (there is nothing to fall back on); a bad answer during the run keeps the
+last good host list in force, with a warning and a `discovery_invalid` event, once per
+distinct answer (the script runs every second). The script's non-zero exits stay Horovod's: a
+warning, hosts kept.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from hvd_resilient.backends.horovod import compat
+from hvd_resilient.launch.horovod.patches.context import PatchContext, masked_line
+
+logger = logging.getLogger("hvd_resilient.launch")
+
+
+def checked_find(ctx: PatchContext) -> Callable[[Any], dict[str, int]]:
+    """`HostDiscoveryScript.find_available_hosts_and_slots`, checked; `self` is the discovery
+    object (it runs the script, and keeps the last good answer)."""
+    from hvd_resilient.discovery.validate import DiscoveryOutputError, parse_discovery_output
+
+    def find_available_hosts_and_slots(self: Any) -> dict[str, int]:
+        text = self._execute_discovery_script()
+        state = self.__dict__.setdefault("_hvdr", {"good": None, "bad": None})
+        script = self._discovery_script
+        try:
+            hosts = parse_discovery_output(text, default_slots=self._default_slots or 1)
+        except DiscoveryOutputError as e:
+            if state["good"] is None:  # the first answer: nothing to fall back on
+                ctx.discovery_error = masked_line(f"discovery script {script} printed {e}")
+                raise RuntimeError(ctx.discovery_error) from None
+            if state["bad"] != str(e):  # once per distinct bad answer, not every second
+                state["bad"] = str(e)
+                logger.warning("discovery script %s printed %s; keeping the last good host "
+                               "list %s", script, e, hosts_arg(state["good"]))
+                ctx.emit("discovery_invalid", script=script, error=str(e),
+                         kept=hosts_arg(state["good"]))
+            return dict(state["good"])
+        state["good"], state["bad"] = hosts, None
+        return hosts
+
+    return find_available_hosts_and_slots
+
+
+def hosts_arg(hosts: dict[str, int]) -> str:
+    return ",".join(f"{h}:{n}" for h, n in sorted(hosts.items())) or "(none)"
+
+
+def install(ctx: PatchContext) -> None:
+    from horovod.runner.elastic import discovery
+
+    compat.replace(discovery.HostDiscoveryScript, "find_available_hosts_and_slots",
+                   checked_find(ctx))

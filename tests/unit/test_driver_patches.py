@@ -1,0 +1,277 @@
+"""Each patch family of the Horovod driver against a small stub driver: the replacement
+functions are built from stand-ins for Horovod's originals and called on plain objects, so
+nothing here patches the test session's Horovod classes or starts a process."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from hvd_resilient.errors import FATAL_EXIT_CODE
+from hvd_resilient.events import read_events
+from hvd_resilient.launch.horovod import patches
+from hvd_resilient.launch.horovod import standby as standby_worker
+from hvd_resilient.launch.horovod.options import DriverOptions
+from hvd_resilient.launch.horovod.patches import (
+    discovery_check,
+    evict,
+    fatal_stop,
+    slot_hosts,
+    standby,
+)
+from hvd_resilient.launch.horovod.patches.context import PatchContext
+
+
+class Httpd:
+    def __init__(self) -> None:
+        self.cache_lock = threading.Lock()
+        self.cache: dict[str, dict[str, bytes]] = {}
+
+
+class StubDriver:
+    """What the patches reach of Horovod's ElasticDriver: its state flags, its rendezvous
+    store, its worker start and stop."""
+
+    def __init__(self) -> None:
+        self._rendezvous = SimpleNamespace(_httpd=Httpd())
+        self._worker_registry = SimpleNamespace(_barrier=None)
+        self._host_assignments: dict[str, list[Any]] = {}
+        self._min_num_proc = 1
+        self.started: list[str] = []
+        self.stopped: list[str | None] = []
+        self.done = False
+
+    def finished(self) -> bool:
+        return self.done
+
+    def stop(self, error_message: str | None = None) -> None:
+        self.stopped.append(error_message)
+        self.done = True
+
+    def _start_worker_process(self, slot: Any) -> None:
+        self.started.append(standby.slot_key(slot))
+
+
+def slot(host: str, rank: int = 0, local_rank: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(hostname=host, local_rank=local_rank, rank=rank, size=2,
+                           local_size=1, cross_rank=rank, cross_size=2)
+
+
+def recorder() -> tuple[list[tuple[Any, ...]], Any]:
+    calls: list[tuple[Any, ...]] = []
+    return calls, lambda *args: calls.append(args)
+
+
+# -- the one order ----------------------------------------------------------------------------
+def test_the_order_is_one_list_and_the_switches_pick_from_it():
+    names = [p.name for p in patches.ORDER]
+    assert names == ["discovery_interval", "discovery_check", "slot_hosts", "fatal_stop",
+                     "standby", "evict"]
+
+    def wanted(options: DriverOptions) -> list[str]:
+        return [p.name for p in patches.ORDER if p.wanted(options)]
+
+    assert wanted(DriverOptions()) == names[1:]  # no interval: Horovod's 1 s stays
+    assert wanted(DriverOptions(slot_hosts=False, standby=False, discovery_interval_s=0.5)) \
+        == ["discovery_interval", "discovery_check", "fatal_stop", "evict"]
+
+
+def test_install_follows_the_order_it_is_given():
+    seen: list[str] = []
+    order = tuple(patches.Patch(n, lambda ctx, n=n: seen.append(n), wanted)
+                  for n, wanted in (("a", lambda o: True), ("b", lambda o: o.standby),
+                                    ("c", lambda o: True)))
+    assert patches.install(PatchContext(DriverOptions(standby=False)), order) == ["a", "c"]
+    assert seen == ["a", "c"]
+
+
+# -- discovery check --------------------------------------------------------------------------
+class StubDiscovery:
+    def __init__(self, answers: list[str]) -> None:
+        self.answers = answers
+        self._discovery_script = "/d.sh"
+        self._default_slots = None
+
+    def _execute_discovery_script(self) -> str:
+        return self.answers.pop(0)
+
+
+def test_a_bad_first_discovery_answer_stops_with_one_line():
+    ctx = PatchContext()
+    find = discovery_check.checked_find(ctx)
+    with pytest.raises(RuntimeError) as e:
+        find(StubDiscovery(["localhost:lots\n"]))
+    assert str(e.value) == ctx.discovery_error
+    assert ctx.discovery_error.startswith("discovery script /d.sh printed line 1")
+    assert "\n" not in ctx.discovery_error
+
+
+def test_a_bad_answer_later_keeps_the_last_good_hosts_and_is_recorded_once(tmp_path):
+    ctx = PatchContext(DriverOptions(run_dir=str(tmp_path)))
+    find = discovery_check.checked_find(ctx)
+    d = StubDiscovery(["b:2\na:1\n", "hello world\n", "hello world\n", "a:1\n"])
+    assert find(d) == {"a": 1, "b": 2}
+    assert find(d) == {"a": 1, "b": 2}
+    assert find(d) == {"a": 1, "b": 2}
+    assert find(d) == {"a": 1}
+    (ev,) = [e for e in read_events(tmp_path / "events.jsonl")]
+    assert (ev["event"], ev["rank"], ev["kept"]) == ("discovery_invalid", -1, "a:1,b:2")
+
+
+# -- slot hosts -------------------------------------------------------------------------------
+def test_slot_hosts_split_discovery_and_give_ssh_the_machine():
+    calls, fn = recorder()
+    wrapped = slot_hosts.real_host_arg(lambda *a, **k: calls.append((a, k)))
+    wrapped("kill -9 1", host="node-a+1", port="22")
+    wrapped("true", host=None)
+    assert calls == [(("kill -9 1",), {"host": "node-a", "port": "22"}),
+                     (("true",), {"host": None})]
+    find = slot_hosts.split_hosts(lambda self: {"node-a": 2, "node-b": 1})
+    assert find(object()) == {"node-a+0": 1, "node-a+1": 1, "node-b+0": 1}
+
+
+# -- fatal stop -------------------------------------------------------------------------------
+def test_a_fatal_exit_stops_the_driver_and_lets_the_barrier_go():
+    ctx, driver = PatchContext(), StubDriver()
+    aborted = []
+    driver._worker_registry._barrier = SimpleNamespace(abort=lambda: aborted.append(True))
+    calls, handle_exit = recorder()
+    on_exit = fatal_stop.stop_on_fatal(ctx, handle_exit)
+    on_exit(driver, slot("h+1", rank=1), 1, 0.0)  # an ordinary failure: Horovod's to handle
+    assert driver.stopped == [] and ctx.fatal == "" and len(calls) == 1
+    on_exit(driver, slot("h+1", rank=1), FATAL_EXIT_CODE, 1.0)
+    assert ctx.fatal == "h+1[0]" and aborted == [True]
+    assert driver.stopped == ["worker h+1[0] (rank 1) stopped on an error no restart fixes "
+                              f"(exit code {FATAL_EXIT_CODE}); stopping the job"]
+    on_exit(driver, slot("h+0"), FATAL_EXIT_CODE, 2.0)  # already stopping: said once
+    assert len(driver.stopped) == 1 and ctx.fatal == "h+1[0]" and len(calls) == 3
+
+
+def test_waiters_at_a_broken_barrier_go_quietly_only_when_the_job_stopped():
+    def broken(self: Any, key: Any, state: Any, rendezvous_id: int) -> int:
+        raise threading.BrokenBarrierError
+
+    wait = fatal_stop.wait_unless_stopped(broken)
+    registry = SimpleNamespace(_driver=StubDriver())
+    with pytest.raises(threading.BrokenBarrierError):
+        wait(registry, "k", "s", 3)
+    registry._driver.done = True
+    assert wait(registry, "k", "s", 3) == 3
+
+
+def test_a_client_that_hung_up_is_not_a_traceback():
+    calls, handle_error = recorder()
+    quiet = fatal_stop.quiet_hang_ups(handle_error)
+    for exc in (BrokenPipeError(), ValueError("a real one")):
+        try:
+            raise exc
+        except Exception:
+            quiet(object(), "request", ("127.0.0.1", 9))
+    assert [c[2] for c in calls] == [("127.0.0.1", 9)]  # only the ValueError went on
+
+
+# -- standby ----------------------------------------------------------------------------------
+def make_standby(ctx: PatchContext) -> tuple[standby.Standby, dict[str, list[Any]]]:
+    seen: dict[str, list[Any]] = {"notify": [], "exit": [], "run": []}
+    patch = standby.Standby(
+        ctx, notify=lambda d, hosts, res: seen["notify"].append(res),
+        handle_exit=lambda d, s, code, ts: seen["exit"].append((standby.slot_key(s), code)),
+        run_elastic=lambda args: seen["run"].append(list(args.command)))
+    return patch, seen
+
+
+class Hosts:
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+
+    def count_available_slots(self) -> int:
+        return len(self.names)
+
+
+def grown_driver() -> StubDriver:
+    driver = StubDriver()
+    driver._host_assignments = {"a+0": [slot("a+0")]}
+    driver._get_host_assignments = lambda hosts: (  # type: ignore[attr-defined]
+        {h: [slot(h, rank=i)] for i, h in enumerate(hosts.names)}, None)
+    return driver
+
+
+def test_newcomers_start_as_standbys_and_rank_0_is_told_in_the_same_call(tmp_path):
+    ctx = PatchContext(DriverOptions(run_dir=str(tmp_path)))
+    patch, seen = make_standby(ctx)
+    driver = grown_driver()
+    patch.notify_host_changes(driver, Hosts(["a+0", "b+0"]), "added")
+    assert driver.started == ["b+0:0"] and seen["notify"] == ["added"]
+    assert sorted(standby.standby_table(driver)) == ["b+0:0"]
+    patch.notify_host_changes(driver, Hosts(["a+0", "b+0"]), "added")  # not started twice
+    assert driver.started == ["b+0:0"] and len(seen["notify"]) == 2
+    (ev,) = read_events(tmp_path / "events.jsonl")
+    assert (ev["event"], ev["slots"]) == ("standby_started", ["b+0:0"])
+
+
+def test_the_reset_releases_a_standby_once_it_is_ready_and_starts_the_others():
+    ctx = PatchContext(DriverOptions(standby_ready_timeout_s=30.0))
+    patch, _ = make_standby(ctx)
+    patch.wrapped = True
+    driver = grown_driver()
+    patch.notify_host_changes(driver, Hosts(["a+0", "b+0"]), "added")
+    driver.__dict__["_hvdr_formed"] = True
+    pending = [slot("a+0", rank=0), standby.standby_table(driver)["b+0:0"]]
+    pending[1].rank = 1
+    release = threading.Thread(target=patch.start_or_release, args=(driver, pending))
+    release.start()
+    release.join(0.3)
+    assert release.is_alive(), "released before the standby said it is ready"
+    # a+0 had no standby: at a reset it starts as one too, and is waited for the same way
+    assert driver.started == ["b+0:0", "a+0:0"]
+    httpd = driver._rendezvous._httpd
+    with httpd.cache_lock:
+        httpd.cache.setdefault(standby_worker.READY, {}).update({"a+0:0": b"1", "b+0:0": b"1"})
+    release.join(10)
+    assert not release.is_alive()
+    go = httpd.cache[standby_worker.GO]
+    assert go == {"a+0:0": b"0,2,0,1,0,2", "b+0:0": b"1,2,0,1,1,2"}
+    assert driver.started == ["b+0:0", "a+0:0"], "a released standby is not started again"
+    assert standby.standby_table(driver) == {}
+
+
+def test_a_standby_that_exits_before_its_release_is_only_logged():
+    patch, seen = make_standby(PatchContext())
+    driver = grown_driver()
+    patch.notify_host_changes(driver, Hosts(["a+0", "b+0"]), "added")
+    waiting = standby.standby_table(driver)["b+0:0"]
+    patch.handle_worker_exit(driver, waiting, FATAL_EXIT_CODE, 0.0)
+    assert seen["exit"] == [] and standby.standby_table(driver) == {}
+    patch.handle_worker_exit(driver, slot("a+0"), 1, 0.0)  # a released worker: Horovod's
+    assert seen["exit"] == [("a+0:0", 1)]
+
+
+def test_only_a_command_of_this_python_runs_through_the_standby_worker():
+    patch, seen = make_standby(PatchContext())
+    patch.run_elastic(SimpleNamespace(command=["/bin/sh", "train.sh"]))
+    assert not patch.wrapped and seen["run"] == [["/bin/sh", "train.sh"]]
+    patch.run_elastic(SimpleNamespace(command=[sys.executable, "train.py"]))
+    assert patch.wrapped
+    assert seen["run"][1] == [sys.executable, "-m", "hvd_resilient.launch.horovod.standby",
+                              sys.executable, "train.py"]
+
+
+# -- eviction ---------------------------------------------------------------------------------
+def test_the_eviction_watch_starts_once_with_the_first_workers():
+    driver = StubDriver()
+    driver.done = True  # the watch thread ends at once
+    calls, start = recorder()
+    start_workers = evict.start_and_watch(start, lambda host, pid: None, lambda *a, **k: None)
+    before = {t.name for t in threading.enumerate()}
+    start_workers(driver, ["s0"])
+    start_workers(driver, ["s1"])
+    assert [c[1] for c in calls] == [["s0"], ["s1"]]
+    assert driver.__dict__["_hvdr_evict"] is True
+    assert isinstance(driver._rendezvous._httpd.cache, evict._KeepsVerdicts)
+    for t in threading.enumerate():
+        if t.name == "hvd-resilient-evict" and t.name not in before:
+            t.join(5)
