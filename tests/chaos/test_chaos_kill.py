@@ -15,7 +15,6 @@ from tests.support.elastic_run import ElasticRun
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-@pytest.mark.ci_chaos
 def test_sigkilled_worker_shrinks_the_job_and_its_host_is_readmitted(chaos):
     c = chaos.cluster(3)
     run = ElasticRun(chaos, c, "kill-worker", expect_sizes=[3, 2, 3], supervised=0)

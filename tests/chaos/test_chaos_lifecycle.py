@@ -62,7 +62,6 @@ def ended_in(run: ElasticRun, t0: float, timeout: float) -> tuple[int, float, st
 
 
 # -- 1. one worker raises -----------------------------------------------------------------
-@pytest.mark.ci_chaos
 def test_raised_exception_without_scaling_a_spare_host_takes_the_slot(chaos):
     """min = max = 2 on three listed hosts: Horovod runs at exactly 2; the failed worker's
     host is blacklisted and the spare host fills its slot, so the world never shrinks (it
@@ -127,7 +126,6 @@ def test_all_workers_fail_the_supervisor_restarts_from_the_last_checkpoint(chaos
 
 
 # -- 3. the job cannot go on: it must say why and end ----------------------------------------
-@pytest.mark.ci_chaos
 def test_every_host_blacklisted_ends_the_job_with_a_clear_message(chaos):
     """Two hosts x 2 slots; one worker on each host raises at the same step. Both hosts are
     blacklisted, the host-mates are the only survivors, and Horovod stops the job (it does not
@@ -234,6 +232,7 @@ def test_driver_sigkilled_workers_exit_then_full_restart_resumes_from_s3(chaos):
 
 
 # -- 6. a host dies while its checkpoint upload is in flight -------------------------------
+@pytest.mark.ci_chaos
 def test_host_killed_during_checkpoint_upload_leaves_no_visible_checkpoint(chaos,
                                                                          monkeypatch):
     """Rank 0 uploads a 40 MB checkpoint (multipart) over a throttled link to S3; its host is

@@ -52,6 +52,7 @@ def test_a_frozen_worker_is_evicted_and_killed_and_its_host_readmitted(chaos):
     assert not psutil.pid_exists(victim) or not _stopped([victim]), "the frozen worker lives on"
 
 
+@pytest.mark.ci_chaos
 def test_a_frozen_host_is_evicted_its_workers_killed_over_ssh(chaos):
     c = chaos.cluster(3)
     run = ElasticRun(chaos, c, "freeze-host", expect_sizes=[3, 2, 3], supervised=0)
