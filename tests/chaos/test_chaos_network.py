@@ -31,7 +31,6 @@ def test_partitioned_host_is_dropped_then_taken_back_after_healing(chaos):
     run.report(numbers)
 
 
-@pytest.mark.ci_chaos
 def test_slow_link_without_failure_causes_no_reset(chaos):
     """One host's link throttled (netem delay where the kernel has it; this machine's kernel
     has only tbf, so a rate limit that stretches every allreduce): slower steps, no reset."""
