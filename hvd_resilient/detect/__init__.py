@@ -17,7 +17,8 @@ Two kinds live here, and every backend wires them the same way:
 
 What a backend does with a detection is its own (Horovod elastic resets in place, torchrun's
 agent restarts every worker); what detects it is shared. Adding a detector: implement
-`Detector`, add it to the backend's `Detectors`, and its offer travels in the same allgather.
+`Detector`, add it to the backend's `Detectors`, and its offer travels in the same allgather
+(docs/extending.md has the edit list and the test).
 """
 
 from __future__ import annotations

@@ -146,7 +146,7 @@ def _script(tail: EventTail, job: subprocess.Popen[bytes], hosts: Path, np: int)
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="hvd-resilient demo", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="hvd-resilient demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--run-dir", default="",
                    help="default: runs/demo-<time> (a fresh folder: a used one would resume)")
     p.add_argument("--max-steps", type=int, default=450)

@@ -44,7 +44,7 @@ def _number(text: str) -> float:
 
 def _param_help(p: Any) -> str:
     if math.isnan(p.default):
-        default = "from --checkpoint-gb by the checkpoint benchmark's linear fit"
+        default = "derived when the plan runs"
     else:
         default = f"{p.default:g}"
     return f"{p.help} [{p.unit}] (default: {default}; {p.source})"
