@@ -16,6 +16,7 @@ install: $(STAMP)
 # The one test command (README and .ci/run call exactly this).
 test: $(STAMP)
 	$(PY) -m ruff check hvd_resilient discovery tests examples bench
+	$(PY) -m mypy
 	$(PY) -m pytest -q -m "(not chaos or ci_chaos) and not docker and not horovod_scenarios and not extended" $(PYTEST_ARGS)
 
 # The second variants of guarantees make test proves already (another store, data kind or
@@ -63,4 +64,4 @@ bench: $(STAMP)
 	$(PY) bench/checkpoint_bench.py
 
 clean:
-	rm -rf runs .pytest_cache .ruff_cache
+	rm -rf runs .pytest_cache .ruff_cache .mypy_cache

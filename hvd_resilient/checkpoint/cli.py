@@ -60,8 +60,9 @@ def _table(rows: list[tuple[str, ...]], out: TextIO,
 
 
 def _other_rows(scan: ScanResult) -> list[tuple[int, tuple[str, ...]]]:
-    rows = [(s, (str(s), "-", "-", "-", "-", str(len(k)), "-", "partial (no manifest)"))
-            for s, k in scan.partial.items()]
+    rows: list[tuple[int, tuple[str, ...]]] = [
+        (s, (str(s), "-", "-", "-", "-", str(len(k)), "-", "partial (no manifest)"))
+        for s, k in scan.partial.items()]
     rows += [(s, (str(s), "-", "-", "-", "-", "-", "-", f"invalid manifest: {r}"))
              for s, r in scan.invalid.items()]
     return rows

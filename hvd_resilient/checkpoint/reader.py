@@ -17,6 +17,7 @@ The invariants this module protects:
 
 from __future__ import annotations
 
+import builtins
 import logging
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -239,7 +240,7 @@ class CheckpointReader:
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
 
-    def verify(self, info: CheckpointInfo) -> list[str]:
+    def verify(self, info: CheckpointInfo) -> builtins.list[str]:
         """Re-download and re-hash every file of ``info``; return the problems (empty = good).
 
         Raises:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import io
 from collections.abc import Iterable, Mapping
-from typing import Any, NamedTuple, TypeVar
+from typing import IO, Any, NamedTuple, TypeVar, cast
 
 from hvd_resilient.checkpoint.tree import map_leaves
 
@@ -91,7 +91,9 @@ def from_bytes(data: bytes | bytearray | memoryview, *, weights_only: bool = Tru
     """
     import torch
 
-    return torch.load(BufferReader(data), weights_only=weights_only, map_location="cpu")
+    # torch's stub wants IO[bytes]; a RawIOBase with readinto/seek is what its reader uses.
+    reader = cast(IO[bytes], BufferReader(data))
+    return torch.load(reader, weights_only=weights_only, map_location="cpu")
 
 
 def snapshot_state_dict(sd: T) -> T:

@@ -240,13 +240,14 @@ class AsyncCheckpointWriter:
         except CheckpointExistsError as e:
             # Published already (write-once): by a rank 0 that died before the others learned
             # of it, and that state is the one the survivors restored. It counts as saved.
-            info = self._existing(job.step)
-            if info is not None:
-                self.last_saved = info
-                logger.info("checkpoint of step %d was published already: %s", job.step, info.url)
+            existing = self._existing(job.step)
+            if existing is not None:
+                self.last_saved = existing
+                logger.info("checkpoint of step %d was published already: %s",
+                            job.step, existing.url)
                 emit(self.on_event, "checkpoint_skipped",
-                     {"step": job.step, "reason": "published already", "url": info.url})
-                return info
+                     {"step": job.step, "reason": "published already", "url": existing.url})
+                return existing
             self.failed += 1
             emit(self.on_event, "checkpoint_failed", {"step": job.step, "error": one_line(e)})
             return None

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import hashlib
 import random
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 
 
 def capture() -> dict[str, Any]:
-    np_state = np.random.get_state()
+    # numpy's stub types the default (legacy=True) call as the dict form; it is the tuple.
+    np_state = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state())
     py_state = random.getstate()
     out: dict[str, Any] = {
         "torch": torch.get_rng_state(),

@@ -143,7 +143,8 @@ class ElasticShardSampler:
         self.shuffle = shuffle
         self.seed = seed
         self._perm_cache: dict[tuple[int, int], list[int]] = {}
-        self._step_cache: tuple[Hashable, _ShardStep] | None = None
+        # ((position, world_size, batch_size), the step planned there)
+        self._step_cache: tuple[tuple[Hashable, int, int], _ShardStep] | None = None
         self.set_epoch(0)
 
     # -- state --------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, TypedDict
 
 from hvd_resilient.backends.base import Backend
 from hvd_resilient.checkpoint.host_buffers import pool
@@ -55,6 +55,15 @@ UPLOAD_WAIT_SECONDS = 1800.0
 the final checkpoint's, a close without a timeout): an upload that takes longer means a store
 that hangs, and the run ends with one line (a restart resumes from the newest published
 checkpoint) rather than wait forever."""
+
+
+class _SaveArgs(TypedDict):
+    """What every save hands the writer, blocking or not."""
+
+    step: int
+    epoch: int
+    world_size: int
+    run_id: str
 
 
 class StartRefused(HvdResilientError):
@@ -217,7 +226,8 @@ class DurableCheckpoints:
                                      published=floor, fetched=found.fetched, since=t0)
         info = self._load_durable()
         if info is None:
-            return self._start_from_scratch()
+            self._start_from_scratch()
+            return None
         self._last_save_time = info.created
         return self._resumed("durable", info.world_size, info.layout, published=info.step,
                              since=t0)
@@ -429,8 +439,8 @@ class DurableCheckpoints:
         def payload() -> dict[str, Any]:  # the copy into host memory: split_state snapshots
             return split_state(self.state.checkpoint_state(streams))
 
-        kwargs = dict(step=self.state.step, epoch=self.state.epoch, world_size=self.backend.size(),
-                      run_id=self.config.run_id)
+        kwargs = _SaveArgs(step=self.state.step, epoch=self.state.epoch,
+                           world_size=self.backend.size(), run_id=self.config.run_id)
         if blocking:
             self.writer.save_sync(**kwargs, payload=payload,
                                   timeout=self.config.checkpoint.grace_seconds)

@@ -196,9 +196,11 @@ class InPlaceBackend(Backend):
 
     def _next_generation(self, state: Any, error: BaseException, detected: float,
                          watch: GlooWatch) -> None:
+        m = self.membership
+        assert m is not None  # run() checked it
         hung_up = watch.detected_at
         state.events.emit("failure_detected", error=one_line(error, typed=True),
-                          peer_hangup=watch.detail or None, generation=self.membership.generation,
+                          peer_hangup=watch.detail or None, generation=m.generation,
                           detect_seconds=round(detected - hung_up, 6) if hung_up else None)
         self._reform(state, detected, after_fault=True)
 

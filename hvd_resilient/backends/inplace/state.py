@@ -59,6 +59,7 @@ class InPlaceState(InMemoryState, TorchDistState):
         component agreed and proven equal (`state.agreement`); the result is the commit
         point, so a fault before the next commit comes back here."""
         if self._size() > 1:
+            assert self._collectives is not None  # the constructor requires them
             head = self._collectives.broadcast_object(
                 {"fatal": self.fatal, "resume_rng": self.resume_rng})
             self.fatal, self.resume_rng = head["fatal"], head["resume_rng"]

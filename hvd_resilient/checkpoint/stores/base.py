@@ -9,6 +9,7 @@ transient errors, so that behaviour lives in one place and backends stay short.
 from __future__ import annotations
 
 import abc
+import builtins
 import logging
 import os
 import random
@@ -404,7 +405,7 @@ class CheckpointStore(abc.ABC):
     def _list(self, prefix: str) -> Iterable[str]: ...
 
     @abc.abstractmethod
-    def _delete(self, keys: list[str]) -> None: ...
+    def _delete(self, keys: builtins.list[str]) -> None: ...
 
     @abc.abstractmethod
     def _exists(self, key: str) -> bool: ...

@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import email.utils
+import functools
 import logging
 import re
 import threading
@@ -393,7 +394,7 @@ class S3Store(CheckpointStore):
             return {"PartNumber": number, "ETag": resp["ETag"]}
 
         self._multipart(key, lambda upload_id: [
-            lambda n=n, a=a, b=b: part(upload_id, n, a, b)
+            functools.partial(part, upload_id, n, a, b)
             for n, (a, b) in enumerate(self._ranges(0, len(data)), start=1)])
 
     def _multipart(
@@ -499,7 +500,7 @@ class S3Store(CheckpointStore):
         step = max(self.part_size, -(-size // 10_000))  # S3 allows 10,000 parts
         spans = [(a, min(a + step, size)) for a in range(0, size, step)]
         self._multipart(dst, lambda upload_id: [
-            lambda n=n, a=a, b=b: part(upload_id, n, a, b)
+            functools.partial(part, upload_id, n, a, b)
             for n, (a, b) in enumerate(spans, start=1)])
 
     def _abort_stale_uploads(self, older_than: float, dry_run: bool) -> int:
@@ -594,8 +595,8 @@ class S3Store(CheckpointStore):
         ranges = self._ranges(0, size)
         ordered = None if feed is None else _InOrder(view, ranges, feed)
         self._run_parallel(
-            [lambda i=i, a=a, b=b: self._get_range(
-                key, view, a, b, size, None if ordered is None else lambda: ordered.done(i))
+            [functools.partial(self._get_range, key, view, a, b, size,
+                               None if ordered is None else functools.partial(ordered.done, i))
              for i, (a, b) in enumerate(ranges)]
         )
         return True
@@ -620,7 +621,7 @@ class S3Store(CheckpointStore):
         first = self._read_body(resp, view, key)
         if first < total:
             self._run_parallel(
-                [lambda a=a, b=b: self._get_range(key, view, a, b, total)
+                [functools.partial(self._get_range, key, view, a, b, total)
                  for a, b in self._ranges(first, total)]
             )
         return buf
