@@ -33,7 +33,7 @@ scenarios: $(STAMP)
 scenarios-all: $(STAMP)
 	$(PY) -m pytest -q -m horovod_scenarios tests/integration/test_horovod_scenarios.py $(PYTEST_ARGS)
 
-# Every multi-host scenario (root, network namespaces, sshd; about 6 minutes).
+# Every multi-host scenario (root, network namespaces, sshd; about 16 minutes here).
 chaos: $(STAMP)
 	$(PY) -m pytest -q -m chaos tests/chaos $(PYTEST_ARGS)
 

@@ -2,8 +2,9 @@
 over a reader (list, verify, load), supersede, an async writer.
 
 Pure storage and serialization: nothing here imports Horovod or torch.distributed, and torch
-and boto3 are imported only when first needed. The exceptions are ``sharded`` and ``dcp_safe``
-(FSDP checkpoints through ``torch.distributed.checkpoint``), which this package does not import.
+and boto3 are imported only when first needed. The exception is ``sharded`` (with its
+``dcp_safe``: FSDP checkpoints through ``torch.distributed.checkpoint``), which this package
+does not import.
 """
 
 from hvd_resilient.checkpoint.errors import CheckpointCorruptError, CheckpointError

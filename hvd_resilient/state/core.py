@@ -1,10 +1,12 @@
 """What every training state holds and how it becomes a checkpoint, whatever the backend.
 
-Horovod's elastic state (`state.ElasticState`) and the torchrun state
-(`torchrun_state.TorchrunState`) differ only in how they survive: in memory with
-commit/restore/broadcast, or not at all (torchrun restarts every worker, so recovery is the
-durable checkpoint). The parts below are shared: the checkpoint dict, the first-sync random
-streams, learning-rate scaling and the parameter digest.
+Horovod's elastic state (`backends.horovod.state.ElasticState`), the in-place state
+(`backends.inplace.state.InPlaceState`) and the torchrun state
+(`backends.torchrun.state.TorchrunState`) differ in how they survive: the first two in process
+memory (commit/restore, a verified sync after every reset: `InMemoryState` below), the torchrun
+one through the tiers (every worker restarts and resumes from the memory tier or the durable
+checkpoint). The parts below are shared: the checkpoint dict, the first-sync random streams,
+learning-rate scaling and the parameter digest.
 """
 
 from __future__ import annotations

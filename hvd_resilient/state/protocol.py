@@ -2,9 +2,10 @@
 backend's recovery loop call on a state, and nothing else.
 
 Each backend's state implements all of it (`tests/unit/test_state_protocol.py` checks): the
-Horovod one survives in memory (commit/restore, a sync after every reset), the torchrun one
-survives through the tiers (a restart is a new process; its commit is a no-op point, its
-reset hooks never fire). Code above the state calls these methods, never `hasattr` probes.
+Horovod and in-place ones survive in memory (commit/restore, a sync after every reset or new
+generation), the torchrun one survives through the tiers (a restart is a new process; its
+commit is a no-op point, its reset hooks never fire). Code above the state calls these
+methods, never `hasattr` probes.
 """
 
 from __future__ import annotations
