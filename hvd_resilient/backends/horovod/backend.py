@@ -10,9 +10,9 @@ import torch
 
 from hvd_resilient.backends.base import Backend
 from hvd_resilient.backends.horovod import init as hvd_init
-from hvd_resilient.backends.horovod import ordered
-from hvd_resilient.backends.horovod import run as elastic
-from hvd_resilient.backends.horovod import slots as slot_hosts
+from hvd_resilient.backends.horovod import ordered, slots
+from hvd_resilient.backends.horovod.run import HEARTBEAT_TIMEOUT_S
+from hvd_resilient.backends.horovod.run import run as run_elastic
 from hvd_resilient.backends.horovod.state import ElasticState
 
 
@@ -20,7 +20,7 @@ class HorovodBackend(Backend):
     name = "horovod"
     resume_on_every_rank = False
 
-    def __init__(self, heartbeat_timeout_s: float = elastic.HEARTBEAT_TIMEOUT_S, *,
+    def __init__(self, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S, *,
                  deterministic: bool = False, host_check_every: int = 1) -> None:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         """A peer silent this long is evicted (0: heartbeats off)."""
@@ -43,7 +43,7 @@ class HorovodBackend(Backend):
 
     def wrap(self, model: Any, optimizer: Any, *, accumulation: int = 1) -> tuple[Any, Any]:
         if torch.cuda.is_available():  # one GPU per worker, by its rank on the host
-            slot = slot_hosts.local_rank()  # with slot hosts hvd.local_rank() is always 0
+            slot = slots.local_rank()  # with slot hosts hvd.local_rank() is always 0
             torch.cuda.set_device(hvd.local_rank() if slot is None else slot)
             model.cuda()
         if self.deterministic:  # gradients averaged in one fixed order (docs/determinism.md)
@@ -60,7 +60,7 @@ class HorovodBackend(Backend):
         return ElasticState(model, optimizer, **kwargs)
 
     def run(self, fn: Callable[[Any], None], state: Any) -> None:
-        elastic.run(fn, heartbeat_timeout_s=self.heartbeat_timeout_s)(state)
+        run_elastic(fn, heartbeat_timeout_s=self.heartbeat_timeout_s)(state)
 
     def allgather_object(self, obj: Any) -> list[Any]:
         return hvd.allgather_object(obj)

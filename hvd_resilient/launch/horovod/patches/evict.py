@@ -22,8 +22,7 @@ from typing import Any
 
 import psutil
 
-from hvd_resilient.backends.horovod import compat
-from hvd_resilient.backends.horovod import slots as slot_hosts
+from hvd_resilient.backends.horovod import compat, slots
 from hvd_resilient.backends.horovod.lost_slots import LOST_SCOPE
 from hvd_resilient.launch.horovod.patches.context import PatchContext
 
@@ -67,7 +66,7 @@ def end_slot(hostname: str, local_rank: str, pid: int,
             except psutil.Error:
                 pass
     if remote:
-        threading.Thread(target=remote_kill, args=(slot_hosts.real_host(hostname), pid),
+        threading.Thread(target=remote_kill, args=(slots.real_host(hostname), pid),
                          daemon=True, name="hvd-resilient-remote-kill").start()
     return "ssh" if remote else "local"
 
