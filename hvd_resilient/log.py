@@ -18,7 +18,13 @@ class _RankFilter(logging.Filter):
         self._rank_fn = rank_fn
 
     def filter(self, record: logging.LogRecord) -> bool:
-        record.rank = self._rank_fn()
+        # A record from another thread (the checkpoint writer) can come between a reset's
+        # shutdown and init, when the backend has no rank: the line must still be written and
+        # the thread must live (an exception here killed the writer, and every later save).
+        try:
+            record.rank = self._rank_fn()
+        except Exception:
+            record.rank = "?"
         return True
 
 

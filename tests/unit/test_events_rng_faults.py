@@ -115,3 +115,24 @@ def test_event_during_a_reset_keeps_the_last_rank_and_size(tmp_path):
     assert (e["rank"], e["size"]) == (0, 3)
     fresh = EventLog(tmp_path / "f.jsonl", rank=rank)
     assert fresh.emit("start")["rank"] == -1  # nothing known yet: says so
+
+
+def test_a_log_line_while_the_backend_has_no_rank_is_written_and_raises_nothing(capsys):
+    """The checkpoint writer's thread logs at any moment, also between a reset's shutdown and
+    init, when Horovod's rank() raises; the filter used to raise with it and kill the thread
+    (seen: the writer died mid-run, no checkpoint after it)."""
+    import logging
+
+    from hvd_resilient import log
+
+    def no_rank() -> int:
+        raise ValueError("Horovod has not been initialized; use hvd.init().")
+
+    log.setup(rank_fn=lambda: 0)
+    log.setup(rank_fn=no_rank)
+    try:
+        logging.getLogger("hvd_resilient.test").warning("pruned checkpoints at steps [46]")
+    finally:
+        log.setup(rank_fn=lambda: 0)
+    assert "[rank ?] WARNING hvd_resilient.test: pruned checkpoints at steps [46]" in \
+        capsys.readouterr().err
