@@ -202,13 +202,11 @@ class Heartbeat:
         stays silent."""
         starved, busy, silent = [], [], []
         for p in verdict[1]:
-            quiet = self.quiet_for(p.rank)
             if same_host(p, self.machine, self.view) and _running(p.pid):
                 starved.append(p)
-            elif quiet is not None and quiet < self.timeout_s:
-                busy.append(p)
-            else:
-                silent.append(p)
+                continue
+            quiet = self.quiet_for(p.rank)
+            (busy if quiet is not None and quiet < self.timeout_s else silent).append(p)
         if silent:
             return ("silent", silent, verdict[2], verdict[3] and len(silent) == len(verdict[1]))
         with self._lock:

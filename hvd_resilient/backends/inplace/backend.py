@@ -97,15 +97,10 @@ class InPlaceBackend(Backend):
         m = self.membership = Membership(self.generation_timeout_s)
         if m.expect_to_join():
             return  # a latecomer: set up first, announce at run() (the others train on)
-        m.wait_beyond(-1, joining=True)
-        m.form(self.pg_timeout)
+        self._take_place(m)
 
-    def _join(self) -> None:
-        """A latecomer, its trainer set up: up and waiting now, so the members' stall at its
-        join is the group's formation and the sync, not this worker's setup."""
-        m = self.membership
-        assert m is not None
-        m.announce()
+    def _take_place(self, m: Membership) -> None:
+        """The first generation that holds this worker, and its group."""
         m.wait_beyond(-1, joining=True)
         m.form(self.pg_timeout)
 
@@ -148,8 +143,9 @@ class InPlaceBackend(Backend):
     def run(self, fn: Callable[[Any], None], state: Any) -> None:
         m = self.membership
         assert m is not None, "init() first"
-        if not dist.is_initialized():
-            self._join()
+        if not dist.is_initialized():  # a latecomer, set up: up and waiting now, so the
+            m.announce()  # members' stall at its join is the formation and the sync only
+            self._take_place(m)
         watch = GlooWatch()
         detectors = Detectors(watch, SilentPeers(
             self.heartbeat_timeout_s, state.events, machine=socket.gethostname(),
