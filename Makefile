@@ -13,11 +13,12 @@ $(STAMP): pyproject.toml scripts/install.sh
 
 install: $(STAMP)
 
-# The one test command (README and .ci/run call exactly this).
+# The one test command (README and .ci/run call exactly this). --durations: CI's log names the
+# 30 slowest tests, where CI time is won back.
 test: $(STAMP)
 	$(PY) -m ruff check hvd_resilient discovery tests examples bench
 	$(PY) -m mypy
-	$(PY) -m pytest -q -m "(not chaos or ci_chaos) and not docker and not horovod_scenarios and not extended" $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=30 -m "(not chaos or ci_chaos) and not docker and not horovod_scenarios and not extended" $(PYTEST_ARGS)
 
 # The second variants of guarantees make test proves already (another store, data kind or
 # launcher: about 5 minutes); not in CI, for its time.
@@ -33,7 +34,7 @@ scenarios: $(STAMP)
 scenarios-all: $(STAMP)
 	$(PY) -m pytest -q -m horovod_scenarios tests/integration/test_horovod_scenarios.py $(PYTEST_ARGS)
 
-# Every multi-host scenario (root, network namespaces, sshd; about 16 minutes here).
+# Every multi-host scenario (root, network namespaces, sshd; about 18 minutes here).
 chaos: $(STAMP)
 	$(PY) -m pytest -q -m chaos tests/chaos $(PYTEST_ARGS)
 

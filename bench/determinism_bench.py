@@ -1,8 +1,8 @@
 """What `--deterministic` costs: default vs deterministic reductions, side by side (not a test).
 
 Every run is launched as a user launches it, three workers on this machine:
-`hvd-resilient run --backend horovod` (discovery, three one-slot hosts of 127.0.0.1) and
-`--backend torchrun`; `bench/determinism_job.py` trains with `Trainer`, deterministic mode
+`hvd-resilient run --launcher horovod` (discovery, three one-slot hosts of 127.0.0.1) and
+`--launcher torchrun`; `bench/determinism_job.py` trains with `Trainer`, deterministic mode
 through HVD_RESILIENT_DETERMINISTIC=1 (what `--deterministic` sets). Modes:
 
 - `default`: Horovod's tensor fusion / DDP's buckets, as they come;
@@ -75,9 +75,9 @@ def launch_args(backend: str, tmp: Path) -> list[str]:
         if not discover.exists():
             discover.write_text("#!/bin/sh\necho 127.0.0.1:3\n")
             discover.chmod(0o755)
-        return ["--backend", "horovod", "--discovery", str(discover), "--np", "3",
+        return ["--launcher", "horovod", "--discovery", str(discover), "--np", "3",
                 "--min-np", "3", "--max-np", "3", "--network-interface", "lo"]
-    return ["--backend", "torchrun", "--np", "3", "--rdzv-endpoint",
+    return ["--launcher", "torchrun", "--np", "3", "--rdzv-endpoint",
             f"127.0.0.1:{free_port()}"]
 
 

@@ -4,13 +4,13 @@ Every row runs 4 Gloo workers on this machine training `tests/scripts/recipe_job
 weight decay, warmup + cosine, clipping; commits every 5 steps) and, once 20 steps are done and
 after a random extra 0-0.5 s, hits one random worker from outside (mid-step, mid-collective):
 
-- `inplace_kill` / `inplace_freeze`: `hvd-resilient run --backend inplace` (the in-place agent),
+- `inplace_kill` / `inplace_freeze`: `hvd-resilient run --launcher inplace` (the in-place agent),
   SIGKILL / SIGSTOP;
 - `inplace_join`: the agent with `--replace`, SIGKILL: the same recovery, then the replacement
   it starts joins; timed from the moment it was up (its `joined` event's `ready_at`) to the
   first step at 4 again (`join_first_step_s`), and each survivor's longest gap between two
   step ends around the join (`join_stall_s`: the commit, the move, the sync, one step);
-- `torchrun_kill`: ours under torchrun, exactly what `hvd-resilient run --backend torchrun`
+- `torchrun_kill`: ours under torchrun, exactly what `hvd-resilient run --launcher torchrun`
   starts (warm forks, the memory tier): every worker restarts and resumes from the tier;
 - `vanilla_torchrun_kill`: plain `torchrun` and DDP as the PyTorch docs write it
   (`bench/torchrun_vanilla_job.py`, a checkpoint file every 20 steps).
@@ -80,7 +80,7 @@ def command(stack: str, run: Path) -> list[str]:
         return [sys.executable, "-m", "hvd_resilient.launch.inplace_agent", "--nproc", str(NP),
                 "--replace", "--", *train, "--checkpoint-url", ckpt]
     if stack == "inplace":
-        return [str(VENV_BIN / "hvd-resilient"), "run", "--backend", "inplace", "--np",
+        return [str(VENV_BIN / "hvd-resilient"), "run", "--launcher", "inplace", "--np",
                 str(NP), "--run-id", run.name, "--run-dir", str(run), "--checkpoint", ckpt,
                 "--max-restarts", "0", "--", *train]
     from hvd_resilient.launch.commands import torchrun_command

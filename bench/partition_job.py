@@ -29,10 +29,10 @@ def instrument(run_dir: str) -> None:
 
     def restore_and_record(self: hvd.elastic.TorchState) -> None:
         before = self.step
-        events.emit("failure_detected", step=before,
-                    error="HorovodInternalError (hvd.elastic.run)")
+        events.step_source = lambda: self.step  # `step`: the state's, before and after
+        events.emit("failure_detected", error="HorovodInternalError (hvd.elastic.run)")
         restore(self)
-        events.emit("restore", step=self.step, from_step=before, to_step=self.step,
+        events.emit("restore", from_step=before, to_step=self.step,
                     lost_steps=before - self.step)
 
     hvd.elastic.TorchState.restore = restore_and_record

@@ -28,7 +28,7 @@ afterwards. ``python bench/recovery.py --only torchrun_kill_memory,mpi_kill_memo
 Two more rows of that table end the launcher too (`run_relaunched`; the run holds at the fault
 step, a `hang` fault of rank 0, and the benchmark kills at that moment; times from the kill):
 
-- `horovodrun_driver_killed_memory`: `hvd-resilient run --backend horovod` (elastic, a
+- `horovodrun_driver_killed_memory`: `hvd-resilient run --launcher horovod` (elastic, a
   discovery script) whose horovodrun driver is SIGKILLed, together with Horovod's middlemen,
   so that its workers get no signal, as on hosts reached over ssh (`kill_driver`); they find
   the driver gone and exit, and the supervisor relaunches the driver. Killed alone, the
@@ -91,7 +91,7 @@ VENV_BIN = Path(sys.executable).parent
 JOB = ROOT / "bench" / "recovery_job.py"
 sys.path.insert(0, str(ROOT))
 
-from hvd_resilient.events import read_events  # noqa: E402
+from hvd_resilient.events import ckpt_step, read_events  # noqa: E402
 from tests.support.jobs import Job, JobRunner  # noqa: E402
 
 FAULT_STEP = 105
@@ -158,9 +158,14 @@ def scenarios() -> list[Scenario]:
                  "localhost:2\n127.0.0.1:2", 4, 2, 4, change_to="localhost:2",
                  env={"HVD_RESILIENT_DISCOVERY_INTERVAL": "0.25"}, vanilla=False),
         Scenario("host_added", "host added via discovery", "localhost:2", 2, 2, 4,
-                 change_to="localhost:2\n127.0.0.1:2", steps=400),
+                 change_to="localhost:2\n127.0.0.1:2", steps=1200),
+        # The newcomers' machine runs a warm pool (here the launch machine's, --warm-pool):
+        # "once a warm standby exists".
+        Scenario("host_added_pool", "host added via discovery, a warm pool on its machine",
+                 "localhost:2", 2, 2, 4, change_to="localhost:2\n127.0.0.1:2", steps=1200,
+                 env={"HVD_RESILIENT_WARM_POOL": "1"}),
         Scenario("host_added_cold", "host added via discovery, standby workers off",
-                 "localhost:2", 2, 2, 4, change_to="localhost:2\n127.0.0.1:2", steps=400,
+                 "localhost:2", 2, 2, 4, change_to="localhost:2\n127.0.0.1:2", steps=1200,
                  env={"HVD_RESILIENT_STANDBY": "0"}, vanilla=False),
         # The tail: a random worker killed at a random moment, --random-kills runs each.
         Scenario("random_kill_1host", "kill -9 a random worker at a random moment, 1 host x 3",
@@ -196,7 +201,7 @@ def scenarios() -> list[Scenario]:
         # The launcher dies too (`run_relaunched`): the run holds at step 153 (rank 0 hangs)
         # and is killed there from outside.
         Scenario("horovodrun_driver_killed_memory",
-                 "hvd-resilient run --backend horovod (elastic, 2 workers), driver kill -9, "
+                 "hvd-resilient run --launcher horovod (elastic, 2 workers), driver kill -9, "
                  "workers get no signal (as over ssh), commit every 10, no durable "
                  "checkpoint yet", "localhost:2", 2, 2, 2, fault="hang:rank=0:step=153",
                  kind="horovod_driver", train_args=MEMORY_ARGS, durable_only=True),
@@ -224,7 +229,7 @@ def digits_args(sc: Scenario, stack: str) -> list[str]:
 
 def torchrun_cmd(sc: Scenario, stack: str, run: Path, nodes: int = 1,
                  endpoint: str = "") -> list[str]:
-    """Ours (and durable): exactly what `hvd-resilient run --backend torchrun` starts, on
+    """Ours (and durable): exactly what `hvd-resilient run --launcher torchrun` starts, on
     examples/digits.py; with `nodes`, one node's agent (sc.np workers over all nodes) of a
     rendezvous at `endpoint`. Vanilla: plain DDP (`torchrun_vanilla_job.py`)."""
     from hvd_resilient.launch.commands import torchrun_command
@@ -241,10 +246,10 @@ def torchrun_cmd(sc: Scenario, stack: str, run: Path, nodes: int = 1,
 
 
 def mpi_cmd(sc: Scenario, stack: str, run: Path) -> list[str]:
-    """What an HPC user runs: `hvd-resilient run --backend mpi` (mpirun, relaunched by the
+    """What an HPC user runs: `hvd-resilient run --launcher mpi` (mpirun, relaunched by the
     supervisor from the newest commit in memory, or durable checkpoint) on
     examples/digits.py."""
-    return supervised_cmd(sc, stack, run, ["--backend", "mpi"],
+    return supervised_cmd(sc, stack, run, ["--launcher", "mpi"],
                           ("--recovery-progress-timeout-seconds", "3"))
 
 
@@ -411,7 +416,7 @@ def run_relaunched(sc: Scenario, stack: str, run: Path, timeout: float) -> dict[
         if sc.kind == "horovod_driver":
             _, discover = write_discovery(run, sc.hosts)
             launched = [jobs.start(supervised_cmd(
-                sc, stack, run, ["--backend", "horovod", "--discovery", str(discover),
+                sc, stack, run, ["--launcher", "horovod", "--discovery", str(discover),
                                  "--min-np", str(sc.min_np), "--max-np", str(sc.max_np),
                                  "--network-interface", "lo"]), env=env[0], name="console")]
         else:
@@ -594,7 +599,7 @@ def measure_restart(evs: list[dict[str, Any]], run: Path, stack: str, kind: str,
 
     def trained_past(step: int) -> float | None:
         return min((e["ts"] for e in trained if e["ts"] >= t_first
-                    and e.get("at_step", e["step"]) > step), default=None)
+                    and (ckpt_step(e) or 0) > step), default=None)
 
     return {
         "source": source, "fault_step": fault_step, "from_step": from_step,

@@ -52,7 +52,7 @@ def main() -> int:
     events.emit("start", pid=os.getpid(), stack=a.stack)
     if a.stack == "ours":
         state = ElasticState(model, opt, sampler=ElasticDataSampler(len(x), seed=0),
-                             events=events)
+                             events=events, hold_additions=True)  # as the Trainer does
         run = hvd_resilient.run
     else:
         state = hvd.elastic.TorchState(model, opt, step=0)

@@ -27,6 +27,7 @@ import sysconfig
 import time
 import warnings
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -44,15 +45,15 @@ VOCAB = 256
 HELD_OUT = 0.02  # 2% of the windows, never trained on: the held-out loss
 
 
+SKIPPED_DIRS = frozenset({"test", "tests", "idlelib", "site-packages", "lib2to3"})
+
+
 def corpus(megabytes: float) -> bytes:
     """The first `megabytes` of the standard library's .py files, in a fixed order (tests and
     vendored packages left out: repetitive, and not there in every installation)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     out, total, limit = [], 0, int(megabytes * 2**20)
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).parts
-        if any(p in ("test", "tests", "idlelib", "site-packages", "lib2to3") for p in rel):
-            continue
+    for path in _sources(root):
         try:
             text = path.read_bytes()
         except OSError:
@@ -65,6 +66,22 @@ def corpus(megabytes: float) -> bytes:
     if len(data) < 2**20:
         raise ConfigError(f"gpt: found only {len(data)} bytes of Python sources under {root}")
     return data
+
+
+def _sources(folder: Path) -> Iterator[Path]:
+    """The .py files below `folder` in sorted-path order, lazily, never entering a skipped
+    folder. A sorted `rglob` walked all of site-packages (torch's included) before the first
+    file: 0.6 s of every worker's start, and 3 s of a newcomer's on a busy machine."""
+    try:
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+    except OSError:
+        return
+    for entry in entries:
+        if entry.is_dir():
+            if entry.name not in SKIPPED_DIRS:
+                yield from _sources(Path(entry.path))
+        elif entry.name.endswith(".py"):
+            yield Path(entry.path)
 
 
 def windows(data: bytes, block: int) -> list[bytes]:

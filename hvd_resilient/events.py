@@ -37,8 +37,24 @@ def _clean(value: Any) -> Any:
     return mask_text(str(value))  # what json.dumps(default=str) would write, masked
 
 
+RESERVED = ("ts", "event", "rank", "size", "step")
+"""The keys `EventLog.emit` fills in itself; a field of one of these names is refused. `step`
+is always the training step at the time of the event: a checkpoint's own step is `ckpt_step`."""
+
+
+def ckpt_step(record: dict[str, Any]) -> int | None:
+    """The step of the checkpoint (or memory commit) an event is about, in logs of any version:
+    `ckpt_step`; else `at_step` (memory tier events before it); else `step` (checkpoint events
+    before it wrote their checkpoint's step there). None when none is an int."""
+    for key in ("ckpt_step", "at_step", "step"):
+        v = record.get(key)
+        if type(v) is int:
+            return v
+    return None
+
+
 class EventLog:
-    """Appends events with the fixed keys `ts`, `event`, `rank`, `size`, `step`."""
+    """Appends events with the fixed keys `ts`, `event`, `rank`, `size`, `step` (`RESERVED`)."""
 
     def __init__(
         self,
@@ -73,6 +89,13 @@ class EventLog:
         return rank, size
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
+        """Writes one event. A field named like a fixed key (`RESERVED`) is a programming error,
+        a ValueError: it would overwrite what every reader relies on (`step`: the training
+        step)."""
+        clash = [k for k in RESERVED if k in fields]
+        if clash:
+            raise ValueError(f"event {event!r}: field {clash[0]!r} is reserved "
+                             f"(the event log's own {', '.join(RESERVED)})")
         rank, size = self._rank_size()
         record: dict[str, Any] = {
             "ts": time.time(),

@@ -50,6 +50,3 @@ def setup(rank_fn=lambda: os.environ.get("HOROVOD_RANK", "?"), level: str = "INF
         rank = 0
     logger.setLevel(level if rank == 0 else max(logging.WARNING, logging.getLevelName(level)))
 
-
-def get(name: str) -> logging.Logger:
-    return logging.getLogger(f"hvd_resilient.{name}")

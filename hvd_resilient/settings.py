@@ -266,7 +266,7 @@ class Schema:
                 flag += f" / `--no-{st.flag[2:]}`"
             doc = describe(st) if describe else st.doc
             if st.aliases:
-                older = ", ".join(f"`{a}`" for a in st.aliases)
+                older = ", ".join(f"`{a}` (`--{a.replace('_', '-')}`)" for a in st.aliases)
                 doc += f" Older name{'s' if len(st.aliases) > 1 else ''}, still read: {older}."
             cells = [f"`{st.name}`", flag, *([f"`{st.env}`"] if env else []),
                      f"`{st.default!r}`", doc.replace("|", "\\|")]

@@ -34,9 +34,12 @@ work by thread count.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import MutableMapping
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 FUSION = "HOROVOD_FUSION_THRESHOLD"
 GROUP_FUSION_OFF = "HOROVOD_DISABLE_GROUP_FUSION"
@@ -79,9 +82,7 @@ def horovod_env(ordered: bool, env: MutableMapping[str, str] | None = None) -> N
         env[GROUP_FUSION_OFF] = "1"
         return
     if user not in ("", "0"):
-        from hvd_resilient.log import get
-
-        get("determinism").warning(
+        logger.warning(
             "%s=%s overridden with 0: deterministic reductions need tensor fusion off",
             FUSION, user)
     env[FUSION] = "0"

@@ -84,8 +84,8 @@ class CheckpointManager(CheckpointReader):
         keep_every: additionally keep every checkpoint whose ``step % keep_every == 0``
             (0 = none). With ``keep_last=3, keep_every=1000`` the run keeps its 3 newest
             checkpoints plus those of steps 1000, 2000, ...
-        on_event: callback ``(name, fields)`` for ``checkpoint_skipped``; fields never hold
-            credentials.
+        on_event: callback ``(name, fields)`` for ``checkpoint_skipped`` (ckpt_step, reason,
+            url: a corrupt checkpoint passed over); fields never hold credentials.
         before_publish: called with the step between a checkpoint's files and its manifest
             (fault injection: the worst moment for the writer to die); None: nothing.
         **store_options: passed to :func:`open_store` when ``url_or_store`` is a URL.

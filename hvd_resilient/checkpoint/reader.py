@@ -70,8 +70,8 @@ class CheckpointReader:
 
     Args:
         url_or_store: ``file:///...``, ``s3://bucket/prefix``, a path, or an open store.
-        on_event: callback ``(name, fields)`` for ``checkpoint_skipped``; fields never hold
-            credentials.
+        on_event: callback ``(name, fields)`` for ``checkpoint_skipped`` (ckpt_step, reason,
+            url: a corrupt checkpoint passed over); fields never hold credentials.
         **store_options: passed to :func:`open_store` when ``url_or_store`` is a URL.
 
     Raises:
@@ -307,7 +307,7 @@ class CheckpointReader:
                 step_dir(step), reason,
             )
             emit(self.on_event, "checkpoint_skipped", {
-                "step": step, "reason": reason, "url": f"{self.url}/{step_dir(step)}",
+                "ckpt_step": step, "reason": reason, "url": f"{self.url}/{step_dir(step)}",
             })
         return None
 

@@ -2,10 +2,10 @@
 
 One daemon thread serializes and uploads; at most one upload is in flight. When the next
 checkpoint is due before the last one finished, only the newest pending snapshot is kept
-(the older pending one is dropped and reported as ``checkpoint_skipped``, reason
-``superseded``): training never blocks on storage, and with a callable payload memory holds
-at most two snapshots (the one uploading and the newest). A failed upload is reported as
-``checkpoint_failed`` and never raised into training.
+(the older pending one is dropped and reported as ``checkpoint_superseded``): training never
+blocks on storage, and with a callable payload memory holds at most two snapshots (the one
+uploading and the newest). A failed upload is reported as ``checkpoint_failed`` and never
+raised into training.
 """
 
 from __future__ import annotations
@@ -49,9 +49,11 @@ class AsyncCheckpointWriter:
     Args:
         manager: where checkpoints go.
         on_event: ``(name, fields)`` callback; defaults to ``manager.on_event``. Emits
-            ``checkpoint_saved`` (step, epoch, seconds, serialize_seconds, upload_seconds,
-            stall_seconds, bytes, url), ``checkpoint_failed`` (step, error) and
-            ``checkpoint_skipped`` (step, reason="superseded", by_step).
+            ``checkpoint_saved`` (ckpt_step, epoch, seconds, serialize_seconds,
+            upload_seconds, stall_seconds, bytes, url), ``checkpoint_failed`` (ckpt_step,
+            error), ``checkpoint_superseded`` (ckpt_step, by_step: a pending one dropped for
+            a newer one before its upload) and ``checkpoint_already_published`` (ckpt_step,
+            url: the step was published already, by an earlier rank 0; it counts as saved).
         prune: run ``manager.prune()`` after each successful save (failures only logged).
         serialize: object -> bytes-like; ``torch.save`` into memory by default.
     """
@@ -204,8 +206,7 @@ class AsyncCheckpointWriter:
     def _report_superseded(self, old: _Job, by_step: int) -> None:
         self.superseded += 1
         logger.info("checkpoint of step %d superseded by step %d before upload", old.step, by_step)
-        emit(self.on_event, "checkpoint_skipped",
-             {"step": old.step, "reason": "superseded", "by_step": by_step})
+        emit(self.on_event, "checkpoint_superseded", {"ckpt_step": old.step, "by_step": by_step})
 
     def _run(self) -> None:
         while True:
@@ -245,22 +246,22 @@ class AsyncCheckpointWriter:
                 self.last_saved = existing
                 logger.info("checkpoint of step %d was published already: %s",
                             job.step, existing.url)
-                emit(self.on_event, "checkpoint_skipped",
-                     {"step": job.step, "reason": "published already", "url": existing.url})
+                emit(self.on_event, "checkpoint_already_published",
+                     {"ckpt_step": job.step, "url": existing.url})
                 return existing
             self.failed += 1
-            emit(self.on_event, "checkpoint_failed", {"step": job.step, "error": one_line(e)})
+            emit(self.on_event, "checkpoint_failed", {"ckpt_step": job.step, "error": one_line(e)})
             return None
         except Exception as e:  # anything: a failed checkpoint must never stop training
             self.failed += 1
             logger.warning("checkpoint of step %d to %s failed: %s",
                            job.step, self.manager.url, one_line(e))
-            emit(self.on_event, "checkpoint_failed", {"step": job.step, "error": one_line(e)})
+            emit(self.on_event, "checkpoint_failed", {"ckpt_step": job.step, "error": one_line(e)})
             return None
         self.saved += 1
         self.last_saved = info
         emit(self.on_event, "checkpoint_saved", {
-            "step": job.step,
+            "ckpt_step": job.step,
             "epoch": job.epoch,
             "seconds": round(t2 - t0, 6),
             "serialize_seconds": round(t1 - t0, 6),

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import ctypes
 import functools
 import itertools
 import logging
@@ -53,7 +52,6 @@ import os
 import queue
 import random
 import selectors
-import signal
 import socket
 import stat
 import threading
@@ -67,9 +65,10 @@ from torch.utils.data import DataLoader, default_collate
 
 from hvd_resilient.config import DataOptions
 from hvd_resilient.data.errors import DataError
+from hvd_resilient.die_with_parent import die_with_parent
 from hvd_resilient.events import EventLog
 
-logger = logging.getLogger("hvd_resilient.data")
+logger = logging.getLogger(__name__)
 
 MAX_BAD_IN_EVENT = 20
 """A bad_sample event lists at most this many samples (it always has the count)."""
@@ -265,29 +264,6 @@ def close_inherited_sockets() -> int:
                 os.close(fd)
                 closed += 1
     return closed
-
-
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def die_with_parent(parent_pid: int | None) -> bool:
-    """Asks the kernel to SIGKILL this process when its parent ends; returns whether it could.
-
-    The signal comes when the parent *thread* that forked this process ends, so a worker must
-    be forked by a thread that outlives it (the loader thread does: it shuts its workers down
-    before it ends). If the parent is already gone before the request took effect, nothing
-    would ever come: `parent_pid` (the pid that forked this process, None when unknown, as under
-    forkserver) is checked after it, and this process ends at once if it was orphaned."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            logger.debug("prctl(PR_SET_PDEATHSIG): errno %d", ctypes.get_errno())
-            return False
-    except (OSError, AttributeError):  # not Linux
-        return False
-    if parent_pid is not None and os.getppid() != parent_pid:
-        os.kill(os.getpid(), signal.SIGKILL)
-    return True
 
 
 @dataclass(frozen=True)

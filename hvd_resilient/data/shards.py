@@ -39,7 +39,7 @@ from typing import Any
 
 from hvd_resilient.data.errors import BadShardError, DataError
 
-logger = logging.getLogger("hvd_resilient.data")
+logger = logging.getLogger(__name__)
 
 INDEX_KEY = "index.json"
 FORMAT = "webdataset-tar"

@@ -25,6 +25,7 @@ nothing hangs up.
 
 from __future__ import annotations
 
+import logging
 import os
 import select
 import socket
@@ -34,9 +35,8 @@ import time
 from typing import Any
 
 from hvd_resilient.detect import tcp_sockets
-from hvd_resilient.log import get
 
-log = get("gloo_watch")
+logger = logging.getLogger(__name__)
 
 _HANGUP = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0x2000)
 # Before acting on a hang-up, wait this long for a disarm: a peer that leaves on purpose (a reset
@@ -194,7 +194,7 @@ class GlooWatch:
                     return
                 self.detected_at = seen
                 self.detail = f"connection to {peer} hung up"
-                log.warning("%s: a peer is gone; failing this rank's collectives so the job "
+                logger.warning("%s: a peer is gone; failing this rank's collectives so the job "
                             "resets now", self.detail)
                 self._kick(socks)
             return

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 
 import psutil
 
-logger = logging.getLogger("hvd_resilient.hangup")
+logger = logging.getLogger(__name__)
 
 Endpoint = tuple[str, int]
 Conn = tuple[Endpoint, Endpoint]

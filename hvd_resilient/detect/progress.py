@@ -36,7 +36,7 @@ from typing import Any
 
 from hvd_resilient.errors import HUNG_EXIT_CODE, exit_now
 
-log = logging.getLogger("hvd_resilient.detect.progress")
+logger = logging.getLogger(__name__)
 
 FIRST_STEP_S = 600.0
 """Default budget of the first step: it compiles, warms the loader, faults in the optimizer."""
@@ -148,7 +148,7 @@ class ProgressWatchdog:
         self.emit("hang_detected", section=name, idle_seconds=round(idle, 3),
                   budget_seconds=round(budget, 3), stacks=str(path) if path else None,
                   exit_code=HUNG_EXIT_CODE)
-        log.error("rank %s made no progress for %.1fs in %s (budget %.1fs); stacks in %s; "
+        logger.error("rank %s made no progress for %.1fs in %s (budget %.1fs); stacks in %s; "
                   "ending this rank so the job recovers now", rank, idle, name or "a step",
                   budget, path or "(not written)")
         self.on_hang()
@@ -167,7 +167,7 @@ class ProgressWatchdog:
                 faulthandler.dump_traceback(f, all_threads=True)
             return path
         except OSError as e:
-            log.error("cannot write the stacks of the hung rank to %s: %s", folder, e)
+            logger.error("cannot write the stacks of the hung rank to %s: %s", folder, e)
             faulthandler.dump_traceback(all_threads=True)  # stderr, at least
             return None
 
@@ -180,6 +180,16 @@ def install(dog: ProgressWatchdog | None) -> None:
     backends' reset loops) that declares sections through `section()`."""
     global _current
     _current = dog
+
+
+def declared_section() -> str:
+    """The section this worker is in, as declared to the installed watchdog ("" in a step, or
+    with no watchdog); any thread may ask."""
+    dog = _current
+    if dog is None:
+        return ""
+    with dog._lock:
+        return dog._section[0]
 
 
 @contextlib.contextmanager

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from hvd_resilient.detect import heartbeat
 from hvd_resilient.errors import HUNG_EXIT_CODE, exit_now
 
-log = logging.getLogger("hvd_resilient.silent_peers")
+logger = logging.getLogger(__name__)
 
 
 class Evict(Protocol):
@@ -108,10 +108,10 @@ class SilentPeers:
         names = ", ".join(f"rank {p.rank} ({p.slot or p.machine})" for p in peers)
         if self.evict is not None and self.evict.evicted_first(
                 peers, len(peers) == self.hb.watching()):
-            log.error("%s silent, but the others evicted this worker first (it is the one cut "
+            logger.error("%s silent, but the others evicted this worker first (it is the one cut "
                       "off or frozen); exiting (code %d) without writing", names, HUNG_EXIT_CODE)
             self._exit()
-        log.warning("%s silent for %.1fs: frozen or cut off; evicting", names, silent_s)
+        logger.warning("%s silent for %.1fs: frozen or cut off; evicting", names, silent_s)
         self.events.emit("peer_silent", ranks=[p.rank for p in peers],
                          slots=[p.slot for p in peers], silent_seconds=round(silent_s, 3))
         killed = kill_local(peers, self.machine, self.hb.view)
@@ -120,7 +120,7 @@ class SilentPeers:
         if self.evict is not None:
             self.evict(peers, detail)
             return
-        log.error("%s; exiting (code %d) so that the launcher restarts the job now",
+        logger.error("%s; exiting (code %d) so that the launcher restarts the job now",
                   detail, HUNG_EXIT_CODE)
         self._exit()
 
@@ -131,12 +131,12 @@ class SilentPeers:
     def _self_frozen(self, gap_s: float) -> None:
         """No event: the others have moved on, and nothing of an evicted worker may land in
         the run folder beside them (its stderr says why)."""
-        log.error("this worker did not run for %.1fs (stopped or starved); its peers have "
+        logger.error("this worker did not run for %.1fs (stopped or starved); its peers have "
                   "evicted it, so it exits (code %d)", gap_s, HUNG_EXIT_CODE)
         self._exit()
 
     def _cut_off(self, peers: list[heartbeat.Peer]) -> None:
-        log.error("ranks %s and the coordinator are unreachable: this host is cut off; "
+        logger.error("ranks %s and the coordinator are unreachable: this host is cut off; "
                   "exiting (code %d) so that it does not train or write beside the others",
                   [p.rank for p in peers], HUNG_EXIT_CODE)
         self._exit()

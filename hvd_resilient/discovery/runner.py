@@ -20,6 +20,8 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from hvd_resilient import errors
+
 from .cache import DEFAULT_MAX_AGE_S, AnswerCache
 from .errors import (
     EXIT_INVALID,
@@ -69,9 +71,8 @@ class Script:
 
 
 def one_line(message: object) -> str:
-    """Collapse a message to a single bounded line (Horovod logs stderr line by line)."""
-    text = " ".join(str(message).split())
-    return text if len(text) <= _MAX_MESSAGE else text[: _MAX_MESSAGE - 3] + "..."
+    """`errors.one_line` at the discovery's bound (Horovod logs stderr line by line)."""
+    return errors.one_line(str(message), limit=_MAX_MESSAGE)
 
 
 def _add_common_options(opts: EnvOptions, script: Script) -> None:

@@ -1,6 +1,6 @@
 """`hvd-resilient run`: build the launcher command line, check what can be checked, supervise.
 
-    hvd-resilient run --backend horovod --discovery ./hosts.sh --np 2 --min-np 1 --max-np 4 \
+    hvd-resilient run --launcher horovod --discovery ./hosts.sh --np 2 --min-np 1 --max-np 4 \
         --checkpoint s3://bucket/ckpt/exp1 --run-id exp1 -- python train.py --epochs 10
 """
 
@@ -27,12 +27,12 @@ from hvd_resilient.launch.commands import (
     torchrun_command,
 )
 from hvd_resilient.launch.horovod.command import ElasticLaunch, horovodrun_command
-from hvd_resilient.launch.run_options import BACKENDS, RUN
+from hvd_resilient.launch.run_options import LAUNCHERS, RUN
 from hvd_resilient.launch.supervisor import Supervisor
 from hvd_resilient.masking import has_credentials, mask_env, mask_text, mask_url
 from hvd_resilient.settings import load_file
 
-__all__ = ["BACKENDS", "build_parser", "launcher_command", "main", "resolve"]
+__all__ = ["LAUNCHERS", "build_parser", "launcher_command", "main", "resolve"]
 
 FORWARDED_PREFIXES = ("HVD_RESILIENT_", "AWS_", "PYTHONPATH", "OMP_NUM_THREADS")
 MEMORY_SCOPE_ENV = "HVD_RESILIENT_MEMORY_TIER_SCOPE"
@@ -120,8 +120,8 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser | None = N
     opts["command"] = cmd
     if opts.get("discovery") and opts.get("hosts"):
         raise ConfigError("run: give --hosts or --discovery, not both")
-    if opts.get("discovery") and opts["backend"] != "horovod":
-        raise ConfigError("run: --discovery needs --backend horovod (torchrun and MPI find "
+    if opts.get("discovery") and opts["launcher"] != "horovod":
+        raise ConfigError("run: --discovery needs --launcher horovod (torchrun and MPI find "
                           "their hosts themselves)")
     check_sizes(opts)
     refuse_credentials(opts["checkpoint"], "run: --checkpoint")
@@ -140,20 +140,20 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser | None = N
 
 
 def check_sizes(opts: dict[str, Any]) -> None:
-    """Sizes no launcher can run with, refused before anything starts, for every backend."""
+    """Sizes no launcher can run with, refused before anything starts, for every launcher."""
     np, lo, hi = opts["np"], opts.get("min_np"), opts.get("max_np")
     if np < 1:
         raise ConfigError(f"run: --np must be >= 1, got {np}")
-    if opts.get("replace") and opts["backend"] != "inplace":
-        raise ConfigError("run: --replace is the inplace backend's (horovod readmits a failed "
+    if opts.get("replace") and opts["launcher"] != "inplace":
+        raise ConfigError("run: --replace is the inplace launcher's (horovod readmits a failed "
                           "host after its cooldown; torchrun restarts every worker)")
-    if opts["backend"] == "inplace" and opts.get("hosts"):
-        raise ConfigError("run: --backend inplace runs its workers on this machine for now; "
-                          "drop --hosts (or use --backend horovod for several hosts)")
+    if opts["launcher"] == "inplace" and opts.get("hosts"):
+        raise ConfigError("run: --launcher inplace runs its workers on this machine for now; "
+                          "drop --hosts (or use --launcher horovod for several hosts)")
     if (lo is not None or hi is not None) and not elastic_hosts(opts) \
-            and not opts.get("discovery") and opts["backend"] != "inplace":
+            and not opts.get("discovery") and opts["launcher"] != "inplace":
         raise ConfigError("run: --min-np/--max-np size an elastic job: they need --discovery "
-                          "or --hosts (--backend horovod); without them the job runs at --np")
+                          "or --hosts (--launcher horovod); without them the job runs at --np")
     if lo is not None and lo < 1:
         raise ConfigError(f"run: --min-np must be >= 1, got {lo}")
     if hi is not None and hi < 1:
@@ -163,7 +163,7 @@ def check_sizes(opts: dict[str, Any]) -> None:
         raise ConfigError(f"run: --min-np ({lo}) is larger than --max-np ({hi})")
     if not lo <= np <= hi:
         raise ConfigError(f"run: --np {np} must lie between --min-np {lo} and --max-np {hi}")
-    if opts.get("hosts") and opts["backend"] in ("horovod", "mpi"):
+    if opts.get("hosts") and opts["launcher"] in ("horovod", "mpi"):
         slots = sum(n for _, n in parse_hosts(opts["hosts"]))
         if np > slots:
             raise ConfigError(f"run: --np {np} is more than the {slots} slots in --hosts "
@@ -187,22 +187,22 @@ def check_sizes(opts: dict[str, Any]) -> None:
 
 
 def elastic_hosts(opts: dict[str, Any]) -> bool:
-    """--hosts with --min-np or --max-np under --backend horovod: an elastic job on fixed
+    """--hosts with --min-np or --max-np under --launcher horovod: an elastic job on fixed
     hosts (horovodrun -H ... --min-np N: Horovod's own elastic mode without a discovery
     script), which recovers from failures in place but never grows beyond those hosts."""
-    return bool(opts.get("hosts")) and opts.get("backend") == "horovod" and (
+    return bool(opts.get("hosts")) and opts.get("launcher") == "horovod" and (
         opts.get("min_np") is not None or opts.get("max_np") is not None)
 
 
 def launcher_command(opts: dict[str, Any], env_names: list[str]) -> list[str]:
     hosts = parse_hosts(opts["hosts"]) if opts.get("hosts") else None
     train = opts["command"]
-    if opts["backend"] == "mpi":
+    if opts["launcher"] == "mpi":
         return mpirun_command(opts["np"], hosts, env_names, train)
-    if opts["backend"] == "inplace":
+    if opts["launcher"] == "inplace":
         return inplace_command(opts["np"], opts.get("min_np") or 1, train,
                                replace=bool(opts.get("replace")))
-    if opts["backend"] == "torchrun":
+    if opts["launcher"] == "torchrun":
         return torchrun_command(
             opts["np"], opts["nnodes"], opts["rdzv_endpoint"], opts["torchrun_restarts"],
             opts["run_id"], train,
@@ -300,8 +300,10 @@ def main(argv: list[str]) -> int:
     })
     if opts["fresh_start"]:  # never resume from the old history's memory tier either
         env[MEMORY_SCOPE_ENV] = time.strftime("fresh%Y%m%dT%H%M%S", time.gmtime())
-    if opts["backend"] == "horovod" and not opts["slot_hosts"]:
+    if opts["launcher"] == "horovod" and not opts["slot_hosts"]:
         env["HVD_RESILIENT_SLOT_HOSTS"] = "0"  # read by the driver (launch/horovod/driver.py)
+    if opts["launcher"] == "horovod" and opts["warm_pool"]:
+        env["HVD_RESILIENT_WARM_POOL"] = "1"  # likewise
     forwarded = sorted(k for k in env if k.startswith(FORWARDED_PREFIXES))
     cmd = launcher_command(opts, forwarded)
     if opts["dry_run"]:

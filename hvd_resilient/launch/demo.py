@@ -9,7 +9,9 @@ runs, watching the event log:
 1. a worker is killed with SIGKILL part-way (`HVD_RESILIENT_FAULT`): the survivors notice in
    milliseconds, restore the last in-memory commit and train on; the slot comes back after a
    short cooldown;
-2. a host is added to the discovery file: the world grows at the next step;
+2. a host is added to the discovery file: its worker is forked at once from the machine's warm
+   pool (the imports done; --no-warm-pool: it imports while the others train on); the world
+   grows at the first commit after it is ready;
 3. it is removed again: the world shrinks at the next step, nothing lost;
 4. the job ends at --max-steps; `hvd-resilient report` prints recovery times, steps lost and
    goodput, and writes the plot.
@@ -132,6 +134,7 @@ def _script(tail: EventTail, job: subprocess.Popen[bytes], hosts: Path, np: int)
         return
     _say(f"world size {tail.size()} at step {tail.step()}, {time.monotonic() - t0:.1f} s "
          "after the file changed")
+    _say_growth(tail, np + 1)
     grown = tail.step()
     if not _wait(tail, job, "some steps at the new size",
                  lambda: tail.step() >= grown + 30, 180):
@@ -145,6 +148,22 @@ def _script(tail: EventTail, job: subprocess.Popen[bytes], hosts: Path, np: int)
          f"{time.monotonic() - t0:.1f} s after the file changed; training to the end")
 
 
+def _say_growth(tail: EventTail, size: int) -> None:
+    """What the growth cost the workers already training: the newcomer's warm-up (they trained
+    on meanwhile) and the reset (they waited)."""
+    held = [e for e in tail.events if e["event"] == "standby_wait"]
+    resets = [e for e in tail.events
+              if e["event"] == "reset" and e["new_size"] == size and e["rank"] == 0]
+    if held:
+        pooled = any(e["event"] == "warm_pool_ready" for e in tail.events)
+        how = ("was forked from the warm pool (its imports done ahead) and set itself up"
+               if pooled else "imported torch and Horovod and set itself up (a standby worker, "
+               "started at once)")
+        _say(f"the others trained on for {held[-1]['seconds']:.1f} s while the newcomer {how}")
+    if resets:
+        _say(f"the reset into the new world paused them for {resets[-1]['seconds']:.2f} s")
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="hvd-resilient demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--run-dir", default="",
@@ -154,6 +173,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--interactive", action="store_true",
                    help="no script: edit the hosts file yourself while it trains")
     p.add_argument("--dry-run", action="store_true", help="print the command and exit")
+    p.add_argument("--no-warm-pool", action="store_true",
+                   help="workers import for themselves (the cold start a warm pool hides)")
     a = p.parse_args(argv)
     example = REPO / "examples" / "gpt.py"
     hostfile_script = REPO / "discovery" / "hostfile"
@@ -180,6 +201,8 @@ def main(argv: list[str]) -> int:
         "--shard-windows", "500",
     ])
     env = dict(os.environ)
+    if not a.no_warm_pool:  # as --warm-pool: this machine's workers fork from a warm process
+        env.update(HVD_RESILIENT_WARM_POOL="1", HVD_RESILIENT_RUN_DIR=str(run_dir))
     if not a.interactive:
         env["HVD_RESILIENT_FAULT"] = f"kill:rank=1:step={KILL_STEP}"
     log = run_dir / "job.log"
@@ -241,7 +264,7 @@ def _ranks_agree(events_path: Path) -> bool | None:
              if v != (done[min(done)].get("digests") or {}).get(k)}
     if len(digests) == 1 and not parts:
         _say(f"all {len(done)} ranks hold the same parameters, optimizer state and schedule "
-             f"(digest {next(iter(digests))[:12]})")
+             f"(digest {str(next(iter(digests)))[:12]})")
         return True
     _say(f"the {len(done)} ranks differ: {len(digests)} parameter digests"
          + (f", components {', '.join(sorted(parts))}" if parts else ""))

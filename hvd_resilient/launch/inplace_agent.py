@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -29,18 +30,22 @@ import torch.distributed as dist
 from hvd_resilient import log
 from hvd_resilient.backends.inplace.membership import (
     AGENT_ENV,
+    BUSY_FRESH_S,
     MEMBER_ENV,
     PREFIX,
+    busy_key,
+    door_key,
     evict_key,
+    formed_key,
     gen_key,
     ready_key,
     want_key,
 )
 from hvd_resilient.cli_errors import exit_on_error
-from hvd_resilient.data.loader import die_with_parent
+from hvd_resilient.die_with_parent import die_with_parent
 from hvd_resilient.errors import ConfigError
 
-logger = log.get("inplace_agent")
+logger = logging.getLogger("hvd_resilient.launch.inplace_agent")  # not __name__: run as __main__
 POLL_S = 0.01
 
 
@@ -57,8 +62,9 @@ class Agent:
         self.alive: dict[int, subprocess.Popen[bytes]] = {}
         self.failed: dict[int, int] = {}
         self.finished: set[int] = set()
-        self.generation, self.members = -1, []
+        self.generation, self.members = -1, list[int]()
         self._asked_since: float | None = None
+        self._said_busy: list[int] = []
         self._stopping = False
 
     def _start(self, member: int) -> None:
@@ -107,6 +113,13 @@ class Agent:
                 out.add(m)
         return out
 
+    def _at_door(self) -> set[int]:
+        """Live members waiting at the newest generation's door, not through it: a member of
+        that generation died before it arrived, and they can ask for nothing else."""
+        g = self.generation
+        return {m for m in self.alive if m in self.members
+                and self.store.check([door_key(g, m)]) and not self.store.check([formed_key(g, m)])}
+
     def _evictions(self) -> None:
         for m in list(self.alive):
             key = evict_key(m)
@@ -125,7 +138,7 @@ class Agent:
             return None
         self._evictions()
         lost = [m for m in self.members if m not in self.alive]
-        asked = self._asked()
+        asked = self._asked() | (self._at_door() if lost else set())
         if not lost and not asked:
             self._take_in()
             return None
@@ -135,6 +148,13 @@ class Agent:
         waiting = sorted(set(self.members) & set(self.alive) - asked)
         if waiting and now - self._asked_since < self.last_call_s:
             return None  # a live member still in its step: it fails at its next collective
+        busy = [m for m in waiting if self._busy(m)]
+        if busy:  # in a declared section (an evaluation): it asks when it leaves it
+            if busy != self._said_busy:
+                logger.info("waiting for member(s) %s: busy in a declared section",
+                            ", ".join(map(str, busy)))
+                self._said_busy = busy
+            return None
         if waiting:
             self._fence(waiting, f"it did not ask for generation {self.generation + 1} within "
                                  f"{self.last_call_s:g}s")
@@ -146,6 +166,15 @@ class Agent:
             return 1
         self._publish(members)
         return None
+
+    def _busy(self, m: int) -> bool:
+        key = busy_key(m)
+        if not self.store.check([key]):
+            return False
+        try:
+            return time.time() - float(self.store.get(key)) < BUSY_FRESH_S
+        except ValueError:
+            return False
 
     def _ready(self) -> list[int]:
         return [m for m in self.alive if m not in self.members

@@ -12,17 +12,17 @@ from dataclasses import dataclass
 from hvd_resilient.config import doc_values
 from hvd_resilient.settings import Schema, setting
 
-BACKENDS = ("horovod", "mpi", "torchrun", "inplace")
+LAUNCHERS = ("horovod", "mpi", "torchrun", "inplace")
 
 
 @dataclass(kw_only=True)
 class RunOptions:
     """What `hvd-resilient run` launches, where, and how often it relaunches."""
 
-    backend: str = setting("horovod", choices=BACKENDS)
-    """The launcher: horovod (Horovod Elastic with --discovery, else static horovodrun), mpi
-    (mpirun), torchrun, or inplace (torch.distributed, survivors keep their processes; one
-    machine)."""
+    launcher: str = setting("horovod", choices=LAUNCHERS, aliases=("backend",))
+    """What starts the workers, and so the collective backend they train on: horovod (Horovod
+    Elastic with --discovery, else static horovodrun), mpi (mpirun), torchrun, or inplace
+    (torch.distributed, survivors keep their processes; one machine)."""
     hosts: str | None = None
     """Static hosts host:slots,..., e.g. h1:2,h2:2 (default: this machine)."""
     discovery: str | None = setting(None, metavar="SCRIPT")
@@ -70,6 +70,11 @@ class RunOptions:
     slot_hosts: bool = True
     """Horovod: blacklist per slot, so one dead worker never ends a one-host job
     (--no-slot-hosts: whole hosts, as plain horovodrun does)."""
+    warm_pool: bool = False
+    """Horovod: fork the workers of this machine from a warm pool that did their imports
+    once, so a slot that comes back or joins here is ready in a tenth of a second instead of
+    its cold start (default: each imports for itself; a joining host has a pool only if it
+    starts one, docs/architecture.md)."""
     nnodes: str = "1"
     """Torchrun: N or MIN:MAX nodes."""
     rdzv_endpoint: str = setting("127.0.0.1:29400", metavar="HOST:PORT")

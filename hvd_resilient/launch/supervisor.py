@@ -12,6 +12,7 @@ so that the message of a launch without events can say what the output showed.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -25,9 +26,8 @@ from hvd_resilient.errors import FATAL_EXIT_CODE
 from hvd_resilient.events import EventLog, read_events
 from hvd_resilient.fatal_events import fatal_events
 from hvd_resilient.launch.launcher_output import OutputFacts, Tee
-from hvd_resilient.log import get
 
-log = get("supervisor")
+logger = logging.getLogger(__name__)
 SUPERVISOR_RANK = -1
 
 
@@ -107,7 +107,7 @@ class Supervisor:
                 return Outcome(code, attempt, f"gave up after {attempt} restarts")
             delay = min(self.backoff[1], self.backoff[0] * 2**attempt)
             preempted = any(e["event"] == "preempted" for e in evs)
-            log.warning("launcher exited with %d%s; restart %d/%d in %.0fs", code,
+            logger.warning("launcher exited with %d%s; restart %d/%d in %.0fs", code,
                         " after preemption" if preempted else "", attempt + 1,
                         self.max_restarts, delay)
             self.events.emit("restart", attempt=attempt + 1, delay=delay, exit_code=code,

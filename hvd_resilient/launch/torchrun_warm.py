@@ -21,6 +21,8 @@ import os
 import sys
 from typing import Any
 
+from hvd_resilient.launch.warm_imports import import_script_modules
+
 ENV = "HVD_RESILIENT_TORCHRUN_FORK"
 
 
@@ -47,43 +49,18 @@ def warm_args(args: list[str]) -> list[str] | None:
     return ["--run-path", "--start-method", "fork", *args[:i], script, *args[i + 1:]]
 
 
-def script_imports(path: str) -> list[str]:
-    """Every absolute module the training script imports, anywhere in it (a function's
-    `from sklearn.datasets import load_digits` too), read from its syntax tree, never run."""
-    import ast
-
-    try:
-        with open(path, "rb") as f:
-            tree = ast.parse(f.read(), filename=path)
-    except (OSError, SyntaxError, ValueError):
-        return []
-    names: list[str] = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names += [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.append(node.module)
-    return list(dict.fromkeys(n for n in names if n != "__future__"))
-
-
 def _warm_up(script: str) -> bool:
     """Imports what every worker imports anyway, the script's own modules included (measured:
     a restarted worker of examples/digits.py spent 2-17 s importing sklearn under load; with
     it imported in the agent, kill to first step was 1.4 s); False if CUDA got initialized
-    (no fork). A module that fails to import here is left to the worker, which reports it."""
-    import importlib
-
+    (no fork)."""
     import torch
     import torch._dynamo  # noqa: F401 - see the module docstring
 
     import hvd_resilient.backends.torchrun.backend  # noqa: F401
     import hvd_resilient.training.trainer  # noqa: F401
 
-    for name in script_imports(script):
-        try:
-            importlib.import_module(name)
-        except Exception:  # noqa: BLE001, S110 - the worker imports it again and says why
-            pass
+    import_script_modules(script)
     return not torch.cuda.is_initialized()
 
 
@@ -160,8 +137,9 @@ def export_round() -> None:
     def next_rendezvous(self: Any) -> Any:
         info = joined(self)
         state = getattr(getattr(self, "_state_holder", None), "state", None)
-        if isinstance(getattr(state, "round", None), int):
-            os.environ[ROUND_ENV] = str(state.round)  # inherited by this round's workers
+        round_ = getattr(state, "round", None)
+        if isinstance(round_, int):
+            os.environ[ROUND_ENV] = str(round_)  # inherited by this round's workers
         return info
 
     dr.DynamicRendezvousHandler.next_rendezvous = next_rendezvous  # type: ignore[method-assign]

@@ -46,7 +46,9 @@ from prometheus_client.core import (
     Metric,
 )
 
-log = logging.getLogger("hvd_resilient.observability")
+from hvd_resilient.events import ckpt_step
+
+logger = logging.getLogger(__name__)
 
 PREFIX = "hvd_resilient_"
 RECOVERY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -142,7 +144,7 @@ class EventTally:
             self.last["memory"] = (ts, int(_num(e.get("step"))))
         elif kind == "checkpoint_saved":
             if ts >= self.last.get("durable", (0.0, 0))[0]:
-                self.last["durable"] = (ts, int(_num(e.get("step"))))
+                self.last["durable"] = (ts, int(_num(ckpt_step(e))))
 
     def _detecting(self, ts: float, cause: str) -> dict[str, Any]:
         if self._pending is None:
@@ -316,7 +318,7 @@ class ReportInChild:
                  "--no-plot"], stdout=self._out, stderr=subprocess.DEVNULL,
                 stdin=subprocess.DEVNULL, close_fds=True)
         except OSError as e:
-            log.debug("goodput: cannot start the report: %s", e)
+            logger.debug("goodput: cannot start the report: %s", e)
             self._out.close()
             self._next = now + GOODPUT_MIN_S
             return

@@ -25,7 +25,7 @@ from hvd_resilient.observability.stragglers import (
     Verdict,
 )
 
-log = logging.getLogger("hvd_resilient.observability")
+logger = logging.getLogger(__name__)
 
 BIND_RETRY_S = 5.0
 """A rank 0 that could not listen (a previous rank 0 on this machine still holds the port
@@ -132,15 +132,15 @@ class Observer:
                       wait_seconds=[round(t.wait_s, 6) for t in gathered],
                       ratios=[round(verdict.ratios.get(t.rank, 0.0), 3) for t in gathered],
                       stragglers=verdict.flagged)
-        if rank == 0 and log.isEnabledFor(logging.DEBUG):
-            log.debug("straggler window at step %d%s: %s", step,
+        if rank == 0 and logger.isEnabledFor(logging.DEBUG):
+            logger.debug("straggler window at step %d%s: %s", step,
                       "" if verdict.evaluated else " (too few steps: not judged)",
                       ", ".join(f"rank {t.rank} {t.compute_s * 1000:.1f}+{t.wait_s * 1000:.1f} "
                                 f"ms x{verdict.ratios.get(t.rank, 0):.2f}" for t in gathered))
         for t in verdict.reported:
             ratio, others = verdict.ratios[t.rank], verdict.others_s[t.rank]
             if rank == 0:
-                log.warning(
+                logger.warning(
                     "straggler: rank %d on %s (pid %d) computes %.2fx the other ranks' median "
                     "(%.4f s vs %.4f s per step) for %d windows of %d steps%s", t.rank, t.host,
                     t.pid, ratio, t.compute_s, others, self.rule.windows,
@@ -154,7 +154,7 @@ class Observer:
             if self.evict:
                 self.emit("straggler_evicted", host=t.host, pid=t.pid, ratio=round(ratio, 3),
                           exit_code=HUNG_EXIT_CODE)
-                log.error("rank %d is a persistent straggler (%.2fx the others' compute) and "
+                logger.error("rank %d is a persistent straggler (%.2fx the others' compute) and "
                           "straggler eviction is on: ending this process so that the job "
                           "goes on without it", rank, ratio)
                 self._on_evict()
@@ -163,7 +163,7 @@ class Observer:
                 self.emit("straggler_cleared", host=t.host, pid=t.pid,
                           ratio=round(verdict.ratios.get(t.rank, 0.0), 3))
             if rank == 0:
-                log.info("straggler: rank %d on %s keeps pace again (%.2fx)", t.rank, t.host,
+                logger.info("straggler: rank %d on %s keeps pace again (%.2fx)", t.rank, t.host,
                          verdict.ratios.get(t.rank, 0.0))
 
     # -- the endpoint ---------------------------------------------------------------------------
@@ -174,7 +174,7 @@ class Observer:
         if rank != 0:
             if ep.serving:
                 ep.stop()
-                log.debug("metrics endpoint stopped: this process is rank %d now", rank)
+                logger.debug("metrics endpoint stopped: this process is rank %d now", rank)
             return
         now = time.monotonic()
         if ep.serving or now < self._next_bind:
@@ -183,8 +183,8 @@ class Observer:
         try:
             ep.start()
         except OSError as e:
-            log.warning("metrics endpoint: cannot listen on %s:%d (%s); retrying every %.0f s",
+            logger.warning("metrics endpoint: cannot listen on %s:%d (%s); retrying every %.0f s",
                         ep.addr, ep.port, e.strerror or e, BIND_RETRY_S)
             return
         host, port = ep.address or (ep.addr, ep.port)
-        log.info("metrics endpoint: http://%s:%d/metrics", host, port)
+        logger.info("metrics endpoint: http://%s:%d/metrics", host, port)

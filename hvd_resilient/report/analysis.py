@@ -68,6 +68,7 @@ from hvd_resilient.report.checkpoints import (
     current_step,
     is_num,
     num,
+    step_of,
     young_daly,
 )
 from hvd_resilient.report.timeline import Episode, Event, Launch, Restart, normalize, parse
@@ -473,7 +474,7 @@ def analyze(raw: Iterable[Event], now: float | None = None,
         "failures": [[f.at, f.kind] for f in failures],
         "resets": [[(ep.reset_ts or 0.0) - t0, ep.old_size, ep.new_size]
                    for ep in episodes if ep.recovered],
-        "checkpoints": [[e["ts"] - t0, e["step"], e["event"][len("checkpoint_"):]]
+        "checkpoints": [[e["ts"] - t0, step_of(e), e["event"][len("checkpoint_"):]]
                         for e in events if e["event"] in ("checkpoint_saved",
                                                           "checkpoint_failed")],
         "stragglers": [[s["at"], s["rank"], s["ratio"], s["evicted"]] for s in stragglers],

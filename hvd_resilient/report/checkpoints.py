@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from hvd_resilient.events import ckpt_step
 from hvd_resilient.report.timeline import Event
 
 
@@ -64,19 +65,52 @@ def num(e: Event, key: str) -> float:
     return float(v) if is_num(v) else 0.0
 
 
+#: Before `checkpoint_superseded` and `checkpoint_already_published` had names of their own,
+#: both were a `checkpoint_skipped` with this reason.
+OLD_SKIP_REASONS = {"superseded": "checkpoint_superseded",
+                    "published already": "checkpoint_already_published"}
+
+
+def checkpoint_event(e: Event) -> str:
+    """The event's name as this version writes it, in logs of any version."""
+    if e["event"] == "checkpoint_skipped":
+        return OLD_SKIP_REASONS.get(str(e.get("reason")), "checkpoint_skipped")
+    return str(e["event"])
+
+
+PUBLISHED = ("checkpoint_saved", "checkpoint_already_published")
+"""The events that leave a checkpoint in the store: saved now, or published already by an
+earlier rank 0 (the redo rule's second writer); either is a checkpoint a restart resumes."""
+
+
+def published(events: list[Event]) -> list[Event]:
+    return [e for e in events if checkpoint_event(e) in PUBLISHED]
+
+
+def step_of(e: Event) -> int:
+    """The step of the checkpoint event `e` is about (`events.ckpt_step`; 0: none)."""
+    return ckpt_step(e) or 0
+
+
 def checkpoint_stats(events: list[Event]) -> dict[str, Any]:
+    """Saved, failed, superseded (dropped before upload for a newer one), published already
+    (by an earlier rank 0) and skipped (corrupt at a resume, by reason) checkpoints."""
+    kinds = Counter(checkpoint_event(e) for e in events
+                    if e["event"].startswith("checkpoint_"))
     saved = [e for e in events if e["event"] == "checkpoint_saved"]
     failed = [e for e in events if e["event"] == "checkpoint_failed"]
     skipped = Counter(str(e.get("reason", "?")) for e in events
-                      if e["event"] == "checkpoint_skipped")
+                      if checkpoint_event(e) == "checkpoint_skipped")
     upload = [e.get("upload_seconds", e.get("seconds")) for e in saved]
     stalls = [e.get("stall_seconds") for e in saved]
     sizes = [int(e["bytes"]) for e in saved if isinstance(e.get("bytes"), int)]
-    newest = max(saved, key=lambda e: e["step"]) if saved else None
+    newest = max(published(events), key=step_of, default=None)
     return {
         "saved": len(saved), "failed": len(failed), "skipped": dict(skipped),
-        "failed_steps": [e["step"] for e in failed],
-        "newest_step": newest["step"] if newest else None,
+        "superseded": kinds["checkpoint_superseded"],
+        "already_published": kinds["checkpoint_already_published"],
+        "failed_steps": [step_of(e) for e in failed],
+        "newest_step": step_of(newest) if newest else None,
         "stall_s": asdict(Summary.of(v for v in stalls if isinstance(v, (int, float)))),
         "seconds": asdict(Summary.of(e.get("seconds") for e in saved)),
         "upload_s": asdict(Summary.of(v for v in upload if isinstance(v, (int, float)))),
@@ -92,15 +126,16 @@ def _step_reached(events: list[Event], step: int) -> float | None:
             best = e["ts"]
     if best is None:
         for e in events:
-            if e["event"] == "checkpoint_saved" and e["step"] == step:
+            if e["event"] == "checkpoint_saved" and step_of(e) == step:
                 best = e["ts"] - num(e, "seconds")
     return best
 
 
 def current_step(events: list[Event]) -> int:
-    """The state's step at the last event (checkpoint events carry their snapshot's step)."""
+    """The state's step at the last event (`step`; in older logs a checkpoint event's `step`
+    was its snapshot's, so those are passed over)."""
     for e in reversed(events):
-        if not e["event"].startswith("checkpoint_"):
+        if not e["event"].startswith("checkpoint_") or "ckpt_step" in e:
             return e["step"]
     return events[-1]["step"] if events else 0
 
@@ -108,13 +143,12 @@ def current_step(events: list[Event]) -> int:
 def at_risk(events: list[Event], now: float | None) -> dict[str, Any]:
     """What dying at the last event (and now) would cost: the work since the newest checkpoint."""
     step = current_step(events)
-    saved = [e for e in events if e["event"] == "checkpoint_saved"]
-    newest = max(saved, key=lambda e: (e["step"], e["ts"])) if saved else None
-    since = _step_reached(events, newest["step"]) if newest else None
+    newest = max(published(events), key=lambda e: (step_of(e), e["ts"]), default=None)
+    since = _step_reached(events, step_of(newest)) if newest else None
     since = since if since is not None else events[0]["ts"]
-    steps = max(0, step - (newest["step"] if newest else 0))
+    steps = max(0, step - (step_of(newest) if newest else 0))
     return {
-        "newest_checkpoint_step": newest["step"] if newest else None,
+        "newest_checkpoint_step": step_of(newest) if newest else None,
         "steps": steps,
         # no step since the checkpoint: the time after it (an upload, `done`) is not work
         "seconds": max(0.0, events[-1]["ts"] - since) if steps else 0.0,

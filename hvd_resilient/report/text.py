@@ -173,9 +173,11 @@ def render(r: Report, source: str = "") -> str:
         out.append(_line("world size", _changes(r.world_size_changes)))
     c = r.checkpoints
     skipped = ", ".join(f"{n} {k}" for k, n in c["skipped"].items()) or "0"
+    dropped = "".join(f"; {c[key]} {what}" for key, what in (
+        ("superseded", "superseded"), ("already_published", "published already")) if c[key])
     out.append(_line("checkpoints", (
         f"{c['saved']} saved, newest step {c['newest_step'] if c['saved'] else '-'}; "
-        f"{c['failed']} failed; skipped {skipped}; {size(c['bytes_last'])} each")))
+        f"{c['failed']} failed{dropped}; skipped {skipped}; {size(c['bytes_last'])} each")))
     st, up = Summary(**c["stall_s"]), Summary(**c["upload_s"])
     if c["saved"]:
         out.append(_line("  stall", f"{dur(st.total)} total; {dur(st.median)} median, "

@@ -25,6 +25,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hvd_resilient.events import ckpt_step
+
 Event = dict[str, Any]
 
 DETECTION = ("failure_detected", "restore", "hosts_changed")
@@ -174,7 +176,9 @@ def split_launches(events: list[Event]) -> list[list[Event]]:
             while (j > cuts[-1] and events[j - 1]["event"] == "start"
                    and e["ts"] - events[j - 1]["ts"] <= START_CLUSTER_S):
                 j -= 1
-            if j > cuts[-1]:
+            # the launcher's own lines before its workers' first start (rank -1: the warm
+            # pool's readiness, say) belong to that launch, not to one of their own
+            if j > cuts[-1] and any(ev["rank"] >= 0 for ev in events[cuts[-1]:j]):
                 cuts.append(j)
                 recovering = False
     cuts.append(len(events))
@@ -192,7 +196,8 @@ def _anchor(events: list[Event], before_ts: float, step: int | None, default: fl
             best = e["ts"]
     if best is None and step is not None:
         for e in events:
-            if e["event"] == "checkpoint_saved" and e["step"] == step and e["ts"] <= before_ts:
+            if (e["event"] == "checkpoint_saved" and ckpt_step(e) == step
+                    and e["ts"] <= before_ts):
                 best = e["ts"] - float(e.get("seconds") or 0.0)
     return default if best is None else best
 

@@ -12,6 +12,7 @@ learning-rate scaling and the parameter digest.
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,12 +20,11 @@ from typing import Any
 import torch
 
 from hvd_resilient.events import EventLog
-from hvd_resilient.log import get
 from hvd_resilient.state import rng
 from hvd_resilient.state.agreement import Agreement, Component, agree, digest_tree
 from hvd_resilient.state.optim import load_optimizer_state
 
-log = get("state")
+logger = logging.getLogger(__name__)
 
 
 def lr_scale_for(rule: str, world_size: int) -> float:
@@ -167,7 +167,7 @@ class StateCore:
                              digest_seconds=found.digest_seconds)
         if found.repaired:
             self.events.emit("sync_mismatch", components=found.repaired)
-            log.warning("sync: %s differed after the first send and were sent again",
+            logger.warning("sync: %s differed after the first send and were sent again",
                         ", ".join(found.repaired))
         return found
 
@@ -213,7 +213,7 @@ class StateCore:
                 group["initial_lr"] *= factor
         if self.scheduler is not None and hasattr(self.scheduler, "base_lrs"):
             self.scheduler.base_lrs = [lr * factor for lr in self.scheduler.base_lrs]
-        log.info("learning rate scaled x%g for world size %d (%s)", factor, self._size(),
+        logger.info("learning rate scaled x%g for world size %d (%s)", factor, self._size(),
                  self._lr_scaling)
         self.lr_scale = target
 
@@ -303,7 +303,7 @@ class InMemoryState(StateCore):
     def _restored(self, before: int) -> None:
         self.events.emit("restore", from_step=before, to_step=self.step,
                          lost_steps=before - self.step)
-        log.warning("restored the last commit: step %d -> %d", before, self.step)
+        logger.warning("restored the last commit: step %d -> %d", before, self.step)
 
     def _after_agreement(self) -> None:
         """The end of every sync: the per-rank parts, then everyone's agreed state as the

@@ -21,6 +21,7 @@ the events and the log lines; the sharded form (``durable_sharded``) fills in th
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any, TypedDict
@@ -41,14 +42,13 @@ from hvd_resilient.checkpoint.writer import AsyncCheckpointWriter
 from hvd_resilient.config import TrainConfig
 from hvd_resilient.errors import RESTARTABLE_EXIT_CODE, HvdResilientError, ResumeError
 from hvd_resilient.events import EventLog
-from hvd_resilient.log import get
 from hvd_resilient.state import rng
 from hvd_resilient.state.core import StateCore
 from hvd_resilient.training.fault_hooks import before_publish
 from hvd_resilient.training.faults import FaultPlan
-from hvd_resilient.training.memory_commits import Found, MemoryCommits
+from hvd_resilient.training.memory_tier import Found, MemoryCommits
 
-log = get("durable")
+logger = logging.getLogger(__name__)
 
 UPLOAD_WAIT_SECONDS = 1800.0
 """The longest a wait for checkpoint uploads in flight lasts (a save's for the previous one,
@@ -99,9 +99,9 @@ class DurableCheckpoints:
 
     def __init__(self, config: TrainConfig, state: StateCore, events: EventLog,
                  backend: Backend, *, faults: FaultPlan | None = None,
-                 memory: MemoryCommits | None = None) -> None:
+                 memory_tier: MemoryCommits | None = None) -> None:
         self.config = config
-        self.memory = memory
+        self.memory_tier = memory_tier
         """The memory tier, looked at first on resume (None: durable checkpoints only)."""
         self.backend = backend
         self.state = state
@@ -187,7 +187,7 @@ class DurableCheckpoints:
         verifies (a start from scratch would train over them)."""
         self._refuse_existing("none of them verifies (see checkpoint_skipped events and "
                               "`hvd-resilient ckpt verify`)")
-        log.info("no checkpoint at %s: starting from scratch", self._url)
+        logger.info("no checkpoint at %s: starting from scratch", self._url)
 
     def _load_latest(self) -> Any:
         """`load_latest`, retried while the store is unreachable, up to store_wait_seconds:
@@ -204,7 +204,7 @@ class DurableCheckpoints:
                     raise StoreError(
                         f"checkpoint store {self._url} unreachable for {wait:g}s at start "
                         f"({e}); not starting from scratch over its checkpoints") from None
-                log.warning("checkpoint store unreachable at start (%s); retrying for %.0fs",
+                logger.warning("checkpoint store unreachable at start (%s); retrying for %.0fs",
                             e, left)
                 time.sleep(min(delay, left))
                 delay = min(delay * 2, 10.0)
@@ -217,9 +217,10 @@ class DurableCheckpoints:
         collective, and nothing before it may raise). Returns the step resumed from (None:
         from scratch)."""
         t0 = time.perf_counter()
-        if self.memory is not None and self.memory.enabled:  # else one scan: load_latest's
+        tier = self.memory_tier
+        if tier is not None and tier.enabled:  # else one scan: load_latest's
             floor = self._durable_floor()
-            found = self.memory.newest(floor)
+            found = tier.newest(floor)
             if found is not None:
                 self._apply_memory(found)
                 return self._resumed(found.source, found.info.world_size, self.layout,
@@ -288,7 +289,7 @@ class DurableCheckpoints:
             self.events.emit("resume", from_step=self.state.step, epoch=self.state.epoch,
                              saved_world_size=world_size, layout=layout, source=source,
                              durable_step=published, seconds=round(seconds, 3), **extra)
-        log.info("resumed from %s step %d (epoch %d, saved at world size %d) in %.1fs",
+        logger.info("resumed from %s step %d (epoch %d, saved at world size %d) in %.1fs",
                  "checkpoint" if source == "durable" else f"the {source} copy of commit",
                  self.state.step, self.state.epoch, world_size, seconds)
         return self.state.step
@@ -334,7 +335,7 @@ class DurableCheckpoints:
             raise StartRefused(self.state.fatal)
         if self._owed():
             if self.backend.rank() == 0:
-                log.warning("durable checkpoint behind (newest published step %d, state at "
+                logger.warning("durable checkpoint behind (newest published step %d, state at "
                             "step %d): saving now", self.state.ckpt_published, self.state.step)
             self.save()
 
@@ -380,7 +381,7 @@ class DurableCheckpoints:
                 self.save()
             if not self._flush(max(0.0, deadline - time.monotonic())) and not stalled:
                 stalled = True
-                log.error("the final checkpoint (step %d) was still uploading to %s after "
+                logger.error("the final checkpoint (step %d) was still uploading to %s after "
                           "%.0fs", self.state.step, self._url, UPLOAD_WAIT_SECONDS)
             self._confirm()
             if self.state.ckpt_published >= self.state.step:
@@ -403,9 +404,9 @@ class DurableCheckpoints:
         def warm() -> None:
             try:
                 n = warm_buffers(self.state.checkpoint_state([]))
-                log.debug("snapshot buffers warmed: %d bytes", n)
+                logger.debug("snapshot buffers warmed: %d bytes", n)
             except Exception as e:  # the state changed under us: the first save pays instead
-                log.debug("snapshot buffers not warmed: %s", e)
+                logger.debug("snapshot buffers not warmed: %s", e)
 
         threading.Thread(target=warm, name="ckpt-warm", daemon=True).start()
 
@@ -419,7 +420,7 @@ class DurableCheckpoints:
                     f"step {self.state.step}: the previous checkpoint's upload to {self._url} "
                     f"was still running after {UPLOAD_WAIT_SECONDS:.0f}s")
             if self.backend.rank() == 0:
-                log.warning("step %d waited %.1fs for the previous checkpoint's upload "
+                logger.warning("step %d waited %.1fs for the previous checkpoint's upload "
                             "(consider a larger --checkpoint-every)", self.state.step,
                             time.perf_counter() - t0)
         streams = self.backend.allgather_object(rng.capture())
@@ -455,7 +456,7 @@ class DurableCheckpoints:
         unless it finishes before the process exits; a warning says so."""
         wait = UPLOAD_WAIT_SECONDS if timeout is None else timeout
         if not self._close(wait):
-            log.warning("a checkpoint upload to %s was still running after %.0fs at close: it "
+            logger.warning("a checkpoint upload to %s was still running after %.0fs at close: it "
                         "stays invisible (no manifest) unless it ends before this process",
                         self._url, wait)
 

@@ -29,7 +29,7 @@ from hvd_resilient.events import EventLog
 from hvd_resilient.state.core import StateCore
 from hvd_resilient.training.durable import DurableCheckpoints
 from hvd_resilient.training.faults import FaultPlan
-from hvd_resilient.training.memory_commits import Found, MemoryCommits
+from hvd_resilient.training.memory_tier import Found, MemoryCommits
 
 RUN_STATE_FILE = "run_state.pt"
 """Rank 0's file of a sharded checkpoint: `StateCore.run_state` (everything but the model and
@@ -55,10 +55,10 @@ class ShardedDurableCheckpoints(DurableCheckpoints):
 
     def __init__(self, config: TrainConfig, state: StateCore, events: EventLog,
                  backend: Backend, *, faults: FaultPlan | None = None,
-                 memory: MemoryCommits | None = None) -> None:
+                 memory_tier: MemoryCommits | None = None) -> None:
         import torch.distributed as dist
 
-        super().__init__(config, state, events, backend, faults=faults, memory=memory)
+        super().__init__(config, state, events, backend, faults=faults, memory_tier=memory_tier)
         # Created here, on every rank at the same point (creating a group is a collective).
         group = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT)
         self.saver = ShardedCheckpointer(

@@ -85,13 +85,8 @@ class FaultPlan:
                 continue
             if f.rank != rank or f.step != step or f.at != at:
                 continue
-            marker = self.run_dir / f".fault-{i}-{f.kind}-r{f.rank}-s{f.step}"
-            try:
-                fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
+            if not self._claim(i, f):
                 continue
-            os.write(fd, f"{time.time():.6f}\n".encode())  # when it fired: for the benchmarks
-            os.close(fd)
             if f.kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif f.kind == "abort":
@@ -112,6 +107,23 @@ class FaultPlan:
                                         "by peer")
             raise InjectedFault(f"injected fault at rank {rank} step {step}")
 
+    def _claim(self, i: int, f: Fault) -> bool:
+        """Claims fault `i` for this process, once per run: its marker appears whole, holding
+        when it fired (for the benchmarks), because a test polls for it and reads it at once.
+        The time goes into a private file that is then hard-linked to the marker's name: the
+        link is atomic and fails if the marker exists, as O_EXCL would, without the moment
+        O_EXCL leaves an empty marker visible."""
+        marker = self.run_dir / f".fault-{i}-{f.kind}-r{f.rank}-s{f.step}"
+        pending = self.run_dir / f".pending-{marker.name[1:]}-{os.getpid()}"
+        pending.write_text(f"{time.time():.6f}\n")
+        try:
+            os.link(pending, marker)
+        except FileExistsError:
+            return False
+        finally:
+            pending.unlink()
+        return True
+
     def _maybe_slow(self, i: int, f: Fault, rank: int, step: int, at: str) -> None:
         """A slow machine: the first process at `f.rank` on or after `f.step` claims the fault
         (its marker, once per run) and is slow from then on; no other process ever is, so a
@@ -122,14 +134,7 @@ class FaultPlan:
         if mine is None:
             if f.rank != rank or step < f.step:
                 return
-            marker = self.run_dir / f".fault-{i}-{f.kind}-r{f.rank}-s{f.step}"
-            try:
-                fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                self._slow[i] = mine = False  # another process was (or is) the slow one
-            else:
-                os.write(fd, f"{time.time():.6f}\n".encode())
-                os.close(fd)
-                self._slow[i] = mine = True
+            # another process was (or is) the slow one when the claim fails
+            self._slow[i] = mine = self._claim(i, f)
         if mine:
             time.sleep(f.seconds)  # the fault IS the sleep: compute that takes longer

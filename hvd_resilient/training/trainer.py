@@ -7,6 +7,7 @@ step loop and decides when to commit, checkpoint and stop.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import signal
@@ -31,13 +32,13 @@ from hvd_resilient.errors import PREEMPTED_EXIT_CODE
 from hvd_resilient.events import EventLog
 from hvd_resilient.observability import Observer
 from hvd_resilient.state.sampler import ElasticDataSampler
-from hvd_resilient.training import memory
+from hvd_resilient.training import rss
 from hvd_resilient.training.durable import DurableCheckpoints
 from hvd_resilient.training.faults import FaultPlan
-from hvd_resilient.training.memory_commits import MemoryCommits
+from hvd_resilient.training.memory_tier import MemoryCommits
 from hvd_resilient.training.recipe import Recipe
 
-logger = log.get("trainer")
+logger = logging.getLogger(__name__)
 
 class Preempted(SystemExit):
     def __init__(self) -> None:
@@ -133,7 +134,7 @@ class Trainer:
         self._faults = FaultPlan.parse(cfg.fault, cfg.run_dir)
         commits = _memory_class(cfg.fsdp)(cfg, state, events, backend)
         durable = _durable_class(cfg.fsdp)(cfg, state, events, backend, faults=self._faults,
-                                           memory=commits)
+                                           memory_tier=commits)
         rank0 = backend.rank() == 0
         events.emit("start", pid=os.getpid(), host=socket.gethostname(), backend=backend.name,
                     run_id=cfg.run_id, config=cfg.to_dict() if rank0 else None)
@@ -186,10 +187,10 @@ class Trainer:
                          backend.rank())
 
     def _watch_memory(self, state: Any, events: EventLog, backend: Any) -> None:
-        watch = memory.GrowthWatch()
+        watch = rss.GrowthWatch()
 
         def after_reset() -> None:
-            m = memory.sample()
+            m = rss.sample()
             warning = watch.at_reset(m["rss_bytes"])
             events.emit("memory", at="reset", **m)
             if warning:
@@ -200,7 +201,7 @@ class Trainer:
 
     def _report_progress(self, state: Any, durable: DurableCheckpoints, rate: float) -> None:
         """Every rank records its memory; rank 0 records and shows progress."""
-        m = memory.sample()
+        m = rss.sample()
         state.events.emit("memory", **m)
         if self.backend.rank() != 0:
             return
@@ -350,7 +351,7 @@ def _memory_class(sharded: bool) -> type[MemoryCommits]:
     """Each rank keeps its own shards (FSDP), or one rank per host the whole state."""
     if not sharded:
         return MemoryCommits
-    from hvd_resilient.training.memory_sharded import ShardedMemoryCommits
+    from hvd_resilient.training.memory_tier_sharded import ShardedMemoryCommits
 
     return ShardedMemoryCommits
 

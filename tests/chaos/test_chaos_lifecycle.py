@@ -113,7 +113,7 @@ def test_all_workers_fail_the_supervisor_restarts_from_the_last_checkpoint(chaos
     assert "hvd-resilient run: finished (exit 0, 1 restarts;" in out, out[-4000:]
     restarts = run.of("restart")
     assert [e["attempt"] for e in restarts] == [1], restarts
-    saved = [e["step"] for e in run.of("checkpoint_saved") if e["ts"] < restarts[0]["ts"]]
+    saved = [e["ckpt_step"] for e in run.of("checkpoint_saved") if e["ts"] < restarts[0]["ts"]]
     reached, resumed = steps_lost_by_restart(run, restarts[0]["ts"])
     assert resumed == max(saved) == 40, (saved, resumed)
     assert reached - resumed <= CKPT_EVERY, f"lost {reached - resumed} steps"
@@ -209,7 +209,7 @@ def test_driver_sigkilled_workers_exit_then_full_restart_resumes_from_s3(chaos):
     run = ElasticRun(chaos, c, "driver-killed", expect_sizes=[3], steps_at_each=150,
                      hosts=c.hosts[:3], supervised=1, checkpoint=f"s3://{s3.bucket}/driver",
                      env=s3.env())
-    run.wait(lambda: [e for e in run.of("checkpoint_saved") if e["step"] >= 40], 180,
+    run.wait(lambda: [e for e in run.of("checkpoint_saved") if e["ckpt_step"] >= 40], 180,
              "a checkpoint at step >= 40")
     old = {e["pid"] for e in run.of("start")}
     run.marks["fault"] = c.kill_driver(driver_of(run).pid)
@@ -222,7 +222,7 @@ def test_driver_sigkilled_workers_exit_then_full_restart_resumes_from_s3(chaos):
     run.marks["orphans_gone"] = max(e["ts"] for e in lost)
     numbers = run.check([3], timeout=300)
     (resume,) = run.of("resume")
-    saved = [e["step"] for e in run.of("checkpoint_saved") if e["ts"] < resume["ts"]]
+    saved = [e["ckpt_step"] for e in run.of("checkpoint_saved") if e["ts"] < resume["ts"]]
     reached, resumed = steps_lost_by_restart(run, run.marks["fault"])
     assert resumed == max(saved), (saved, resumed)
     assert reached - resumed <= CKPT_EVERY, f"lost {reached - resumed} steps"
@@ -262,13 +262,13 @@ def test_host_killed_during_checkpoint_upload_leaves_no_visible_checkpoint(chaos
 
     def throttled_upload() -> int | None:
         """A step submitted after the throttle whose upload is in the store, unfinished."""
-        submitted = {e["step"]: e for e in run.of("checkpoint_submitted")
+        submitted = {e["ckpt_step"]: e for e in run.of("checkpoint_submitted")
                      if e["ts"] > run.marks["slowed"]}
         steps = [s for s in in_flight() if s in submitted]
         return steps[0] if steps else None
 
     step = run.wait(throttled_upload, 120, "an upload in flight over the throttled link")
-    sub = [e for e in run.of("checkpoint_submitted") if e["step"] == step][-1]
+    sub = [e for e in run.of("checkpoint_submitted") if e["ckpt_step"] == step][-1]
     victim = run.host_of_rank(0)
     run.marks["fault"], _ = c.kill_host(victim)
     # The operator takes the dead node out of the hosts file (inside its blacklist cooldown):
@@ -276,7 +276,7 @@ def test_host_killed_during_checkpoint_upload_leaves_no_visible_checkpoint(chaos
     # kills the survivors (docs/chaos.md, surprise 1).
     set_hosts(run.hosts_file, c.hostfile([h for h in c.hosts[:3] if h != victim]))
     c.unslow(c.hosts[3])
-    done_before = [e for e in run.of("checkpoint_saved") if e["step"] == step]
+    done_before = [e for e in run.of("checkpoint_saved") if e["ckpt_step"] == step]
     assert not done_before, f"the upload of step {step} ended before the kill: {done_before}"
     assert step in in_flight(step), "the cut upload is gone (completed or aborted?)"
     for k, v in s3.env().items():  # this process reads the store too
@@ -285,7 +285,7 @@ def test_host_killed_during_checkpoint_upload_leaves_no_visible_checkpoint(chaos
     assert step not in [i.step for i in manager.list()]
 
     numbers = run.check([3, 2], timeout=300)
-    numbers.update(run.timings(), killed_upload_step=step, first_saved=first["step"],
+    numbers.update(run.timings(), killed_upload_step=step, first_saved=first["ckpt_step"],
                    upload_submitted_s_before_kill=round(run.marks["fault"] - sub["ts"], 2),
                    slowed=applied)
     run.report(numbers)
@@ -297,7 +297,7 @@ def test_host_killed_during_checkpoint_upload_leaves_no_visible_checkpoint(chaos
     # after it) and a survivor reported the save, also after the kill.
     if step in steps:
         info = next(i for i in scan.checkpoints if i.step == step)
-        redone = [e for e in run.of("checkpoint_saved") if e["step"] == step]
+        redone = [e for e in run.of("checkpoint_saved") if e["ckpt_step"] == step]
         assert info.created > run.marks["fault"], (info.created, run.marks["fault"])
         assert redone and all(e["ts"] > run.marks["fault"] for e in redone), redone
         numbers["killed_step_redone_s_after_kill"] = round(redone[0]["ts"] - run.marks["fault"],

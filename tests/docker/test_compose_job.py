@@ -33,7 +33,7 @@ def test_job_trains_to_the_end_with_s3_checkpoints(cluster):
     assert code == 0, cluster.logs("driver")
     events = cluster.events("e2e")
     done = [e for e in events if e["event"] == "done"]
-    saved = sorted({e["step"] for e in events if e["event"] == "checkpoint_saved"})
+    saved = sorted({e["ckpt_step"] for e in events if e["event"] == "checkpoint_saved"})
     assert done and done[0]["step"] == saved[-1], (done, saved)
     assert len(saved) >= 2 and saved[0] == 20, saved
     assert "accuracy" in cluster.shared("cat", "/shared/runs/e2e/result.json")
@@ -111,13 +111,13 @@ def test_down_and_up_resumes_from_the_newest_checkpoint(cluster):
     before = cluster.events(CHAOS_RUN)
     saved = [e for e in before if e["event"] == "checkpoint_saved"]
     assert saved, "no checkpoint before down"
-    newest = max(saved, key=lambda e: e["step"])
+    newest = max(saved, key=lambda e: e["ckpt_step"])
     # Up again, now with an end in sight: two epochs past the checkpoint.
     env = {**CHAOS_ENV, "EPOCHS": str(newest["epoch"] + 2)}
     cluster.dc("up", "-d", env=env, timeout=600)
     assert cluster.wait_exit("driver", timeout=840) == 0, cluster.logs("driver")
     after = cluster.events(CHAOS_RUN)[len(before):]
     resumes = [e for e in after if e["event"] == "resume"]
-    assert resumes and {e["from_step"] for e in resumes} == {newest["step"]}, (resumes, newest)
+    assert resumes and {e["from_step"] for e in resumes} == {newest["ckpt_step"]}, (resumes, newest)
     done = [e for e in after if e["event"] == "done"]
     assert done and done[0]["epoch"] == newest["epoch"] + 2, done

@@ -89,7 +89,7 @@ def test_flipped_byte_is_detected_and_skipped(url: str, caplog: pytest.LogCaptur
     info, files = fresh.load_latest()
     assert info.step == 1 and files == _files(1)
     assert events.named("checkpoint_skipped") == [{
-        "step": 2, "reason": "state.pt xxh3_128 mismatch", "url": f"{url}/{step_dir(2)}",
+        "ckpt_step": 2, "reason": "state.pt xxh3_128 mismatch", "url": f"{url}/{step_dir(2)}",
     }]
     assert ("checkpoint step-0000000002 is corrupt (state.pt xxh3_128 mismatch); "
             "falling back to an older one") in caplog.text
@@ -150,7 +150,7 @@ def test_missing_file_and_bad_manifest_are_skipped(url: str) -> None:
     assert CheckpointManager(url).verify(mgr.list()[1]) == ["extra/rank0.bin missing"]
     info, _ = CheckpointManager(url, on_event=events).load_latest()
     assert info.step == 1
-    reasons = {f["step"]: f["reason"] for f in events.named("checkpoint_skipped")}
+    reasons = {f["ckpt_step"]: f["reason"] for f in events.named("checkpoint_skipped")}
     assert reasons[3] == "extra/rank0.bin missing"
     assert reasons[2].startswith("unreadable manifest")
 

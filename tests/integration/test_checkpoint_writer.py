@@ -61,10 +61,10 @@ def test_submit_saves_in_background_and_reports(tmp_path) -> None:
         assert writer.wait(WAIT)
     assert writer.close(WAIT)
     saved = events.named("checkpoint_saved")
-    assert [e["step"] for e in saved] == [1, 2, 3]
+    assert [e["ckpt_step"] for e in saved] == [1, 2, 3]
     for e in saved:
         assert e["stall_seconds"] == 0.005 and e["bytes"] > 0 and e["seconds"] > 0
-        assert e["url"] == f"file://{tmp_path}/{step_dir(e['step'])}"
+        assert e["url"] == f"file://{tmp_path}/{step_dir(e['ckpt_step'])}"
         assert set(e) >= {"serialize_seconds", "upload_seconds", "epoch"}
     assert [i.step for i in mgr.list()] == [2, 3]  # pruned after each save
     info, files = mgr.load_latest()
@@ -91,7 +91,7 @@ def test_newest_pending_snapshot_wins(tmp_path) -> None:
         def fn() -> dict:
             # By the time a new snapshot is made, the older pending one is already gone:
             # at most two snapshots (uploading + newest) are alive.
-            made.append((step, [e["step"] for e in events.named("checkpoint_skipped")]))
+            made.append((step, [e["ckpt_step"] for e in events.named("checkpoint_superseded")]))
             return {"state.pt": f"state {step}".encode()}
         return fn
 
@@ -99,10 +99,11 @@ def test_newest_pending_snapshot_wins(tmp_path) -> None:
     writer.submit(3, 0, 1, snapshot(3))
     assert writer.busy
     assert made == [(2, []), (3, [2])]
-    assert events.named("checkpoint_skipped") == [{"step": 2, "reason": "superseded", "by_step": 3}]
+    assert events.named("checkpoint_superseded") == [{"ckpt_step": 2, "by_step": 3}]
+    assert not events.named("checkpoint_skipped")  # corrupt ones only, at a resume
     store.gate.set()
     assert writer.close(WAIT)
-    assert [e["step"] for e in events.named("checkpoint_saved")] == [1, 3]
+    assert [e["ckpt_step"] for e in events.named("checkpoint_saved")] == [1, 3]
     assert [i.step for i in mgr.list()] == [1, 3]
     assert writer.superseded == 1
 
@@ -117,9 +118,9 @@ def test_failed_upload_is_an_event_not_an_exception(tmp_path) -> None:
     writer.submit(2, 0, 1, {"state.pt": b"y"})
     assert writer.close(WAIT)
     failed = events.named("checkpoint_failed")
-    assert len(failed) == 1 and failed[0]["step"] == 1
+    assert len(failed) == 1 and failed[0]["ckpt_step"] == 1
     assert "injected failure" in failed[0]["error"] and "\n" not in failed[0]["error"]
-    assert [e["step"] for e in events.named("checkpoint_saved")] == [2]
+    assert [e["ckpt_step"] for e in events.named("checkpoint_saved")] == [2]
     assert (writer.saved, writer.failed) == (1, 1)
 
 
@@ -153,8 +154,8 @@ def test_save_sync_supersedes_pending_and_waits_for_inflight(tmp_path) -> None:
     sync.join(WAIT)
     assert result and result[0].step == 3
     assert writer.close(WAIT)
-    assert [e["step"] for e in events.named("checkpoint_saved")] == [1, 3]
-    assert events.named("checkpoint_skipped")[0]["step"] == 2
+    assert [e["ckpt_step"] for e in events.named("checkpoint_saved")] == [1, 3]
+    assert [e["ckpt_step"] for e in events.named("checkpoint_superseded")] == [2]
     sync = events.named("checkpoint_saved")[1]
     assert sync["stall_seconds"] >= sync["seconds"]  # the caller waited for all of it
 
@@ -183,7 +184,7 @@ def test_s3_outage_during_a_save_then_recovery(s3_server, s3_url) -> None:
         writer.submit(2, 0, 1, {"a.bin": b"a2", "state.pt": b"s2" * 1000})
         assert writer.wait(WAIT)
         failed = events.named("checkpoint_failed")
-        assert [f["step"] for f in failed] == [2]
+        assert [f["ckpt_step"] for f in failed] == [2]
         assert "cannot reach" in failed[0]["error"]
         assert s3_server.secret_key not in failed[0]["error"]
         assert not s3_server.running
@@ -192,7 +193,7 @@ def test_s3_outage_during_a_save_then_recovery(s3_server, s3_url) -> None:
         assert writer.close(WAIT)
     finally:
         s3_server.start()
-    assert [e["step"] for e in events.named("checkpoint_saved")] == [1, 3]
+    assert [e["ckpt_step"] for e in events.named("checkpoint_saved")] == [1, 3]
     assert [i.step for i in mgr.list()] == [1, 3]
     assert mgr.scan().partial == {}  # the torn step-2 folder was pruned after step 3 saved
     info, files = CheckpointManager(s3_url).load_latest()

@@ -141,7 +141,7 @@ def test_full_restart_resumes_the_data_order_from_the_checkpoint(kind, api, tmp_
                                                    *data_args(kind, shards)]
 
     def saved() -> list[int]:
-        return [e["step"] for e in events(run / "events.jsonl")
+        return [e["ckpt_step"] for e in events(run / "events.jsonl")
                 if e["event"] == "checkpoint_saved"]
 
     job = jobs.start(cmd, name="first")

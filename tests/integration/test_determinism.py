@@ -1,7 +1,7 @@
 """Bit-identical results at a fixed world size with 3 ranks (where summation order matters:
 with 2 ranks a + b == b + a, so the tests of test_resume.py cannot see it).
 
-Real launches as users launch: `hvd-resilient run --backend horovod` with three one-slot
+Real launches as users launch: `hvd-resilient run --launcher horovod` with three one-slot
 workers found by discovery (slot hosts of 127.0.0.1), and `--backend torchrun` with three
 workers. Deterministic mode is asked for through HVD_RESILIENT_DETERMINISTIC=1, which
 `hvd-resilient run` forwards and TrainConfig reads as `deterministic`; the `--deterministic`

@@ -102,7 +102,7 @@ def test_host_changes_act_at_the_next_step_not_the_next_commit(tmp_path, jobs):
     assert_followed_2_4_2_losing_nothing(run)
 
 
-def grow_2_to_4_with_standby(tmp_path: Path, jobs, name: str):
+def grow_2_to_4_with_standby(tmp_path: Path, jobs, name: str, **env: str):
     """A job through our driver (standby on) on `localhost:2`, 10 steps in, then told by
     discovery that `127.0.0.1:2` joined; it stops 40 steps after reaching size 4, so an epoch
     completes however late the growth comes (2560 samples at size 4 alone): (run, job)."""
@@ -113,7 +113,7 @@ def grow_2_to_4_with_standby(tmp_path: Path, jobs, name: str):
     cmd[:1] = [PYTHON, "-m", "hvd_resilient.launch.horovod.driver"]
     job = jobs.start(cmd + [PYTHON, JOB, "--run-dir", str(run), "--expect-sizes", "2,4",
                             "--steps-at-each", "40", "--commit-every", "5"],
-                     env=jobs.env(HVD_RESILIENT_STANDBY="1"), name=name)
+                     env=jobs.env(HVD_RESILIENT_STANDBY="1", **env), name=name)
     wait_for(lambda: any(c["size"] == 2 and c["step"] >= 10 for c in commits(run)), 120,
              "10 steps at size 2", job)
     set_hosts(hosts, "localhost:2,127.0.0.1:2")
@@ -122,8 +122,8 @@ def grow_2_to_4_with_standby(tmp_path: Path, jobs, name: str):
 
 def test_added_host_workers_start_early_and_are_the_ones_that_join(tmp_path, jobs):
     """Standby: the newcomers import while the old world trains; the process that joins is the
-    one started early (same pid). Rank 0 is told at once (test_standby_notice.py); the reset
-    waits for the warm newcomers in Horovod's rendezvous barrier, not in a Gloo connect."""
+    one started early (same pid). Rank 0 is told at once (test_standby_notice.py) and holds the
+    reset back until they are warm, the old world training on meanwhile."""
     run, job = grow_2_to_4_with_standby(tmp_path, jobs, "standby")
 
     def newcomers() -> dict[int, float]:
@@ -144,8 +144,34 @@ def test_added_host_workers_start_early_and_are_the_ones_that_join(tmp_path, job
     told = min(e["ts"] for e in evs if e["event"] == "hosts_changed")
     joined = {e["pid"] for e in evs if e["event"] == "start" and e["ts"] > told}
     assert joined == set(early), f"joined {joined}, standby {set(early)}: not the same processes"
+    # Rank 0 held the reset back while they warmed up: the old world trained on meanwhile.
+    (held,) = [e for e in evs if e["event"] == "standby_wait"]
+    since = held["ts"] - held["seconds"]
+    trained_on = [c for c in commits(run) if c["size"] == 2 and since < c["ts"] < held["ts"]]
+    assert held["seconds"] > 0 and len(trained_on) >= 2, (held, len(trained_on))
     assert sizes_seen(run) == [2, 4]
     assert len(set(final_digests(run).values())) == 1
+
+
+def test_with_a_warm_pool_every_worker_is_forked_from_it(tmp_path, jobs):
+    """--warm-pool: the driver's machine runs a pool that imported once; the first workers and
+    the newcomers alike are its children (no cold start), and the job grows as without it."""
+    run, job = grow_2_to_4_with_standby(tmp_path, jobs, "warm-pool", HVD_RESILIENT_WARM_POOL="1",
+                                        HVD_RESILIENT_RUN_DIR=str(tmp_path / "run"))
+    wait_for(lambda: any(c["size"] == 4 for c in commits(run)), 120, "a commit at size 4", job)
+    starts = [e for e in events(run / "events.jsonl") if e["event"] == "start"]
+    pools = {psutil.Process(e["pid"]).ppid() for e in starts}
+    assert len(starts) == 4 and len(pools) == 1, starts
+    (pool,) = pools
+    assert "warm_pool_server" in " ".join(psutil.Process(pool).cmdline())
+    assert job.wait(240) == 0, job.output()[-3000:]
+    assert not psutil.pid_exists(pool), "the pool outlived its driver"
+    evs = events(run / "events.jsonl")
+    assert [e for e in evs if e["event"] == "warm_pool_ready"]
+    assert not [e for e in evs if e["event"] == "restore"]
+    assert sizes_seen(run) == [2, 4]
+    assert len(set(final_digests(run).values())) == 1
+    assert_exactly_once(run, 2048)
 
 
 def test_a_standby_that_dies_before_its_release_is_replaced_not_waited_for(tmp_path, jobs):

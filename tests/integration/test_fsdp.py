@@ -49,7 +49,8 @@ def launch(jobs, run: Path, nproc: int, url: str, max_steps: int, name: str,
 
 
 def saved_steps(run: Path) -> list[int]:
-    return [e["step"] for e in events(run / "events.jsonl") if e["event"] == "checkpoint_saved"]
+    return [e["ckpt_step"] for e in events(run / "events.jsonl")
+            if e["event"] == "checkpoint_saved"]
 
 
 def train_and_kill(jobs, run: Path, nproc: int, url: str, checkpoints: int) -> None:
@@ -147,7 +148,7 @@ def test_fsdp_2_to_4_ranks_s3_corrupt_shard_falls_back(tmp_path, jobs, s3_url, s
     resumed = resume(jobs, run, 4, s3_url, previous.step)
     assert resumed["from_step"] == previous.step and resumed["saved_world_size"] == 2
     skipped = [e for e in events(run / "events.jsonl") if e["event"] == "checkpoint_skipped"]
-    assert [(e["step"], e["reason"]) for e in skipped] == [
+    assert [(e["ckpt_step"], e["reason"]) for e in skipped] == [
         (newest.step, "shards/__1_0.distcp xxh3_128 mismatch")]
     check_resumed_state(run, previous.step, 2, 4)
 
@@ -164,7 +165,7 @@ def test_fsdp_4_to_2_ranks_from_the_memory_tier(tmp_path, jobs, memory_tier_dir)
         seen: dict[int, set[int]] = {}
         for e in events(run / "events.jsonl"):
             if e["event"] == "memory_commit":
-                seen.setdefault(e["at_step"], set()).add(e["rank"])
+                seen.setdefault(e["ckpt_step"], set()).add(e["rank"])
         return [s for s, ranks in seen.items() if len(ranks) == 4]
 
     wait_for(lambda: len(complete()) >= 2, 240, "two complete commits in memory", job)
@@ -243,7 +244,7 @@ def test_fsdp_with_horovod_is_one_config_error(tmp_path):
     assert r.returncode == FATAL_EXIT_CODE
     assert r.stderr.strip().splitlines() == [
         "hvd-resilient: error: config: fsdp needs the torchrun backend, this job runs on horovod"
-        " (launch it with torchrun or `hvd-resilient run --backend torchrun`, or drop --fsdp /"
+        " (launch it with torchrun or `hvd-resilient run --launcher torchrun`, or drop --fsdp /"
         " HVD_RESILIENT_FSDP)"]
     assert not (tmp_path / "events.jsonl").exists()
 

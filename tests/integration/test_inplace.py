@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.support.exactly_once import assert_exactly_once
@@ -152,3 +153,58 @@ def test_a_replacement_joins_at_a_commit_and_gets_the_state(tmp_path, jobs):
     assert sorted(done) == [0, 1, 2]
     assert len({json.dumps(d["digests"], sort_keys=True) for d in done.values()}) == 1, done
     assert assert_exactly_once(run, N_SAMPLES) >= 1
+
+
+def test_a_killed_agent_takes_every_worker_with_it(tmp_path, jobs):
+    """The agent holds the generations' store: without it no worker can form a generation
+    again, and a worker left training alone would write checkpoints beside the relaunch that
+    `hvd-resilient run` starts. Its workers (and their loader workers) die with it."""
+    run = tmp_path / "run"
+    job = agent_job(jobs, run, 3, "", 100000, "inplace-agent-killed")
+    wait_for(lambda: any(e["event"] == "commit" and e["step"] >= 2 * COMMIT_EVERY
+                         for e in events(run / "events.jsonl")), 200, "two commits", job)
+    workers = [p for p in job.processes() if p.pid != job.proc.pid]
+    assert len(workers) >= 3, workers
+    job.proc.kill()
+    job.proc.wait(10)
+    wait_for(lambda: not [p for p in workers if p.is_running()
+                          and p.status() != psutil.STATUS_ZOMBIE],
+             30, "the workers to die with their agent")
+    assert not trainer_done(run), "a worker went on without its agent"
+
+
+def test_survivors_inside_a_long_evaluation_when_a_peer_dies_are_waited_for_not_ended(
+        tmp_path, jobs):
+    """Ranks 0 and 2 evaluate on their own at step 10 for 6 s (a declared watchdog section, no
+    collective); rank 1 waits for them in step 11 and is SIGKILLed once they evaluate. They
+    cannot ask for the next generation until they leave the evaluation, three times
+    --last-call later: they say they are busy, and the agent waits for them instead of ending
+    them with the culprit (and the job with them)."""
+    run = tmp_path / "run"
+    cmd = [PYTHON, "-m", "hvd_resilient.launch.inplace_agent", "--nproc", "3",
+           "--last-call", "2", "--", PYTHON, str(SCRIPTS / "long_phases_job.py"),
+           "--run-id", "busy", "--run-dir", str(run), "--eval-at", "10", "--eval-seconds", "6",
+           "--eval-ranks", "0,2",
+           "--max-steps", "24", "--epochs", "9", "--commit-every", "4", "--batch-size", "8",
+           "--no-store-memory-tier"]
+    job = jobs.start(cmd, name="busy")
+    log = run / "events.jsonl"
+
+    def evaluating() -> list[dict]:
+        return [e for e in events(log) if e["event"] == "evaluating"] if log.exists() else []
+
+    wait_for(lambda: len(evaluating()) == 2, 120, "ranks 0 and 2 in their evaluation", job)
+    (rank1,) = [e["pid"] for e in events(log) if e["event"] == "start" and e["rank"] == 1]
+    psutil.Process(rank1).kill()
+    assert job.wait(300) == 0, job.output()[-3000:]
+    out = job.output()
+    assert "ending member" not in out, out[-3000:]
+    assert "busy in a declared section" in out, out[-3000:]
+    assert "generation 1: members [0, 2]" in out, out[-3000:]
+    evs = events(run / "events.jsonl")
+    evaluated = [e for e in evs if e["event"] == "evaluated" and e["size"] == 3]
+    assert sorted(e["rank"] for e in evaluated) == [0, 2], evaluated  # both ended it
+    resets = [e for e in evs if e["event"] == "reset"]
+    assert resets and min(e["ts"] for e in resets) > max(e["ts"] for e in evaluated), resets
+    done = {e["rank"]: e["params_sha256"] for e in evs if e["event"] == "done"}
+    assert sorted(done) == [0, 1] and len(set(done.values())) == 1, done

@@ -68,6 +68,12 @@ def test_elastic_dry_run_sets_the_flags_that_matter(tmp_path):
     assert "-m hvd_resilient.launch.horovod.driver -np 2" in first
     assert "HVD_RESILIENT_SLOT_HOSTS=0" in env_lines
     assert "HVD_RESILIENT_SLOT_HOSTS=0" not in r.stdout
+    # --warm-pool reaches the driver the same way; off unless asked for
+    pooled = cli("run", "--discovery", str(d), "--np", "2", "--warm-pool", "--run-dir",
+                 str(tmp_path), "--dry-run", "--", "python", "t.py")
+    assert pooled.returncode == 0, pooled.stderr
+    assert "HVD_RESILIENT_WARM_POOL=1" in pooled.stdout.splitlines()[1:]
+    assert "HVD_RESILIENT_WARM_POOL=1" not in plain.stdout
 
 
 def test_standby_runs_in_process_only_what_python_itself_would_run_as_is():
@@ -133,7 +139,7 @@ def test_slot_hosts_split_per_slot_and_map_back_to_the_machine():
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["--backend", "mpi", "--discovery", "x"], "--discovery needs --backend horovod"),
+    (["--backend", "mpi", "--discovery", "x"], "--discovery needs --launcher horovod"),
     (["--hosts", "a:0"], "--hosts entry 'a:0' must look like host:slots"),
     (["--np", "5", "--min-np", "1", "--max-np", "4", "--discovery", "/bin/true"],
      "--np 5 must lie between"),
@@ -223,7 +229,7 @@ def test_preemption_signal_final_checkpoint_then_restart_loses_nothing(tmp_path,
     pre = [e for e in evs if e["event"] == "preempted"]
     assert pre and all(e["exit_code"] == 75 for e in pre)
     (pre0,) = [e for e in pre if e["rank"] == 0]
-    saved_at_stop = max(e["step"] for e in evs
+    saved_at_stop = max(e["ckpt_step"] for e in evs
                         if e["event"] == "checkpoint_saved" and e["ts"] <= pre0["ts"])
     (resume,) = [e for e in evs if e["event"] == "resume"]
     assert resume["from_step"] == pre0["step"] == saved_at_stop, "work lost at preemption"
@@ -251,7 +257,7 @@ def test_whole_job_sigkilled_then_run_again_resumes_from_s3(backend, tmp_path, j
            str(run), "--checkpoint", f"{s3_url}/k", *extra, "--", PYTHON, DIGITS,
            "--epochs", "25", "--commit-every", "5", "--checkpoint-every", "20"]
     job = jobs.start(cmd, name="first")
-    saved = lambda: [e["step"] for e in events(run / "events.jsonl")  # noqa: E731
+    saved = lambda: [e["ckpt_step"] for e in events(run / "events.jsonl")  # noqa: E731
                      if e["event"] == "checkpoint_saved"]
     wait_for(lambda: any(s >= 100 for s in saved()), 240, "a checkpoint at step >= 100", job)
     for p in job.processes():

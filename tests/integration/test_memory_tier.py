@@ -90,7 +90,7 @@ def test_a_corrupt_memory_copy_is_skipped_and_the_one_before_is_used(tmp_path, j
     assert again.wait(300) == 0, again.output()[-3000:]
     evs = events(run / "events.jsonl")
     skipped = [e for e in evs if e["event"] == "checkpoint_skipped"]
-    assert [(e["tier"], e["at_step"]) for e in skipped] == [("memory", 30)], skipped
+    assert [(e["tier"], e["ckpt_step"]) for e in skipped] == [("memory", 30)], skipped
     assert "digest mismatch" in skipped[0]["reason"]
     (resume,) = [e for e in evs if e["event"] == "resume"]
     assert (resume["source"], resume["from_step"]) == ("memory", 25), resume
@@ -121,7 +121,7 @@ def test_horovodrun_driver_killed_relaunch_resumes_from_memory(tmp_path, jobs,
     (reference,) = digests(ref)
 
     run, job = launch("run")
-    commits = lambda: [e["at_step"] for e in events(run / "events.jsonl")  # noqa: E731
+    commits = lambda: [e["ckpt_step"] for e in events(run / "events.jsonl")  # noqa: E731
                        if e["event"] == "memory_commit"]
     wait_for(lambda: any(s >= 40 for s in commits()), 240, "a commit at step >= 40", job)
     _driver(job).send_signal(signal.SIGKILL)
@@ -129,7 +129,7 @@ def test_horovodrun_driver_killed_relaunch_resumes_from_memory(tmp_path, jobs,
     evs = events(run / "events.jsonl")
     assert [e["attempt"] for e in evs if e["event"] == "restart"] == [1]
     (resume,) = [e for e in evs if e["event"] == "resume"]
-    committed = [e["at_step"] for e in evs if e["event"] == "memory_commit"
+    committed = [e["ckpt_step"] for e in evs if e["event"] == "memory_commit"
                  and e["ts"] < resume["ts"]]
     # Nothing lost: local workers get SIGTERM from horovodrun's middleman when the driver
     # dies and stop with a final durable checkpoint (then their commits go); workers that
@@ -163,7 +163,7 @@ def test_torchrun_a_node_without_its_copy_fetches_the_peers(tmp_path, jobs):
                            name=f"node{i}") for i in range(2)]
 
     first = nodes(f"127.0.0.1:{free_port()}")
-    commits = lambda: [e["at_step"] for e in events(run / "events.jsonl")  # noqa: E731
+    commits = lambda: [e["ckpt_step"] for e in events(run / "events.jsonl")  # noqa: E731
                        if e["event"] == "memory_commit"]
     wait_for(lambda: any(s >= 60 for s in commits()), 240, "a commit at step >= 60", first[0])
     for job in first:

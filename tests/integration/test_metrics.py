@@ -56,7 +56,9 @@ def hand_written_log() -> list[dict]:
            for r in range(3)]
     evs += [
         _ev(100.5, "sync"), _ev(101.0, "commit", step=10, seconds=0.001),
-        _ev(101.5, "checkpoint_saved", step=10, seconds=0.2, stall_seconds=0.01, bytes=100),
+        # `step`: the training step when the upload of the checkpoint of step 10 ended
+        _ev(101.5, "checkpoint_saved", step=11, ckpt_step=10, seconds=0.2, stall_seconds=0.01,
+            bytes=100),
         _ev(102.0, "failure_detected", rank=1, step=12, peer_hangup="rank 2 hung up"),
         _ev(102.01, "failure_detected", rank=0, step=12, peer_hangup="rank 2 hung up"),
         _ev(102.02, "restore", rank=0, step=10, from_step=12, to_step=10, lost_steps=2),

@@ -134,7 +134,7 @@ def test_store_down_at_relaunch_waits_within_a_bound_and_never_trains_from_scrat
                 "--checkpoint-every", "10", "--commit-every", "5", *extra]
 
     def saved(since: int) -> list[int]:
-        return [e["step"] for e in events(run / "events.jsonl")[since:]
+        return [e["ckpt_step"] for e in events(run / "events.jsonl")[since:]
                 if e["event"] == "checkpoint_saved"]
 
     assert jobs.start(horovod("--max-steps", "20"), name="first").wait(240) == 0
@@ -190,7 +190,8 @@ def test_rank0_killed_between_files_and_manifest_the_checkpoint_is_redone(
     # have trained on while its writer uploaded); that state is saved at once after the reset.
     restored = {e["to_step"] for e in evs if e["event"] == "restore"}
     assert len(restored) == 1 and restored.pop() >= kill_step
-    redone = [e["step"] for e in evs if e["event"] == "checkpoint_saved" and e["ts"] > reset["ts"]]
+    redone = [e["ckpt_step"] for e in evs
+              if e["event"] == "checkpoint_saved" and e["ts"] > reset["ts"]]
     assert redone and redone[0] == reset["step"], (redone, reset)
     assert (ckpt / f"step-{reset['step']:010d}" / "manifest.json").exists()
     assert (ckpt / "step-0000000060" / "manifest.json").exists(), "final checkpoint missing"

@@ -110,6 +110,9 @@ def test_every_rank_identical_after_a_kill_a_join_and_a_leave(tmp_path, jobs, re
     assert job.wait(180) == 0, job.output()[-3000:]
     assert_faults_fired(run, 1)
     assert resets(run) == [1, 2, 3, 2], resets(run)
+    left = [e["slot"] for e in events(run / "events.jsonl") if e["event"] == "left_job"]
+    assert left == ["localhost+2:0"], left  # the removed slot's worker said so and exited 0
+    assert "removed from elastic job" not in job.output(), "the removed worker aborted"
     assert_ranks_identical(run, 2)
     checks = [e for e in events(run / "events.jsonl") if e["event"] == "sync_check"]
     joined = [c for c in checks if c["sent"]]

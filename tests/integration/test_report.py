@@ -42,7 +42,7 @@ def clean_run() -> list[dict[str, Any]]:
     """2 workers; training from t=1; a commit each second, 10 steps each; one checkpoint."""
     evs = starts(0.0, 2) + [ev(1.0, "sync", r) for r in (0, 1)]
     evs += [ev(1.0 + i, "commit", step=10 * i, seconds=0.01) for i in range(1, 10)]
-    evs.append(ev(6.0, "checkpoint_saved", step=50, seconds=0.5, stall_seconds=0.2,
+    evs.append(ev(6.0, "checkpoint_saved", step=50, ckpt_step=50, seconds=0.5, stall_seconds=0.2,
                   upload_seconds=0.4, bytes=1000, url="file:///c/step-50"))
     evs += [ev(10.5, "done", r, step=90, params_sha256="x", loss=0.1) for r in (0, 1)]
     return evs
@@ -52,8 +52,8 @@ def one_failure_run() -> list[dict[str, Any]]:
     """3 workers; rank 2 dies after the commit of step 40; 2 survivors restore and go on."""
     evs = starts(0.0, 3) + [ev(1.0, "sync", r, 3) for r in (0, 1, 2)]
     evs += [ev(1.0 + i, "commit", size=3, step=10 * i, seconds=0.0) for i in range(1, 5)]
-    evs.append(ev(3.5, "checkpoint_saved", size=3, step=20, seconds=0.4, stall_seconds=0.1,
-                  bytes=900, url="u"))
+    evs.append(ev(3.5, "checkpoint_saved", size=3, step=20, ckpt_step=20, seconds=0.4,
+                  stall_seconds=0.1, bytes=900, url="u"))
     evs += [
         ev(6.5, "failure_detected", 0, 3, 47, error="HorovodInternalError: x"),
         ev(6.55, "restore", 0, 3, 40, from_step=47, to_step=40, lost_steps=7),
@@ -64,8 +64,8 @@ def one_failure_run() -> list[dict[str, Any]]:
         ev(8.3, "sync", 0, 2, 40, seconds=0.2),
         ev(8.4, "sync", 1, 2, 40, seconds=0.3),
         ev(9.4, "commit", 0, 2, 50, seconds=0.0),
-        ev(9.8, "checkpoint_saved", 0, 2, 50, seconds=0.2, stall_seconds=0.05, bytes=900,
-           url="u"),
+        ev(9.8, "checkpoint_saved", 0, 2, 50, ckpt_step=50, seconds=0.2, stall_seconds=0.05,
+           bytes=900, url="u"),
         ev(10.4, "commit", 0, 2, 60, seconds=0.0),
         ev(11.0, "done", 0, 2, 60),
         ev(11.0, "done", 1, 2, 60),
@@ -77,15 +77,16 @@ def restart_run() -> list[dict[str, Any]]:
     """Launch 1 dies silently after step 30; launch 2 resumes from the checkpoint of step 20."""
     evs = starts(0.0, 2) + [ev(0.5, "sync", r) for r in (0, 1)]
     evs += [ev(0.5 + i, "commit", step=10 * i, seconds=0.0) for i in range(1, 4)]
-    evs.append(ev(2.8, "checkpoint_saved", step=20, seconds=0.2, stall_seconds=0.0, bytes=5,
-                  url="u"))
+    evs.append(ev(2.8, "checkpoint_saved", step=20, ckpt_step=20, seconds=0.2, stall_seconds=0.0,
+                  bytes=5, url="u"))
     later = starts(10.0, 2)
     later[0]["ts"] = 10.1  # rank 1 writes its start first: the launch still begins at 10.0
     evs += later + [
         ev(10.6, "resume", step=20, from_step=20, epoch=0, saved_world_size=2),
         ev(11.0, "sync", 0, step=20), ev(11.0, "sync", 1, step=20),
         ev(12.0, "commit", step=30, seconds=0.0), ev(13.0, "commit", step=40, seconds=0.0),
-        ev(13.3, "checkpoint_saved", step=40, seconds=0.2, stall_seconds=0.0, bytes=5, url="u"),
+        ev(13.3, "checkpoint_saved", step=40, ckpt_step=40, seconds=0.2, stall_seconds=0.0,
+           bytes=5, url="u"),
         ev(13.5, "done", 0, step=40), ev(13.5, "done", 1, step=40),
     ]
     return evs
@@ -116,6 +117,51 @@ def test_clean_run() -> None:
     assert r.young_daly.mtbf_source == "none" and r.young_daly.young_s is None
     assert r.young_daly.configured_every_steps == 50
     assert r.young_daly.configured_every_s == pytest.approx(5.0)
+
+
+def checkpoint_run(old: bool) -> list[dict[str, Any]]:
+    """`clean_run` with a checkpoint of each kind, as this version writes them or (`old`) as
+    versions before `ckpt_step` did: then `step` was the checkpoint's own, and a superseded or
+    published-already checkpoint was a `checkpoint_skipped` with that reason."""
+    def ckpt(ts: float, event: str, step: int, ckpt_step: int, **fields: Any) -> dict[str, Any]:
+        if old:
+            return ev(ts, event, step=ckpt_step, **fields)
+        return ev(ts, event, step=step, ckpt_step=ckpt_step, **fields)
+
+    superseded = (ckpt(7.0, "checkpoint_skipped", 62, 60, reason="superseded", by_step=70) if old
+                  else ckpt(7.0, "checkpoint_superseded", 62, 60, by_step=70))
+    published = (ckpt(8.0, "checkpoint_skipped", 71, 70, reason="published already", url="u")
+                 if old else ckpt(8.0, "checkpoint_already_published", 71, 70, url="u"))
+    evs = [e for e in clean_run() if e["event"] != "checkpoint_saved"] + [
+        # the upload of step 50 ended 3 steps later: training went on meanwhile
+        ckpt(6.0, "checkpoint_saved", 53, 50, seconds=0.5, stall_seconds=0.2,
+             upload_seconds=0.4, bytes=1000, url="file:///c/step-50"),
+        superseded, published,
+        ckpt(9.0, "checkpoint_failed", 84, 80, error="store down"),
+        ckpt(9.5, "checkpoint_skipped", 85, 30, reason="state.pt xxh3_128 mismatch", url="u"),
+    ]
+    return sorted(evs, key=lambda e: e["ts"])
+
+
+def test_checkpoint_events_of_this_and_older_versions_read_alike(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    new, old = analyze(checkpoint_run(old=False)), analyze(checkpoint_run(old=True))
+    # step 70 was published already (by an earlier rank 0): the newest checkpoint there is
+    want = {"saved": 1, "failed": 1, "failed_steps": [80], "newest_step": 70, "superseded": 1,
+            "already_published": 1, "skipped": {"state.pt xxh3_128 mismatch": 1}}
+    assert {k: new.checkpoints[k] for k in want} == want
+    assert new.checkpoints == old.checkpoints
+    assert new.at_risk == old.at_risk and new.at_risk["steps"] == 90 - 70
+    assert new.series["checkpoints"] == old.series["checkpoints"] == [
+        [6.0, 50, "saved"], [9.0, 80, "failed"]]
+    lines = []
+    for which in (False, True):
+        path = write(tmp_path / f"{which}.jsonl", checkpoint_run(old=which))
+        assert cli.main([str(path), "--no-plot"]) == 0
+        lines.append([ln for ln in capsys.readouterr().out.splitlines() if "checkpoints" in ln])
+    assert lines[0] == lines[1] and len(lines[0]) == 1
+    assert ("1 failed; 1 superseded; 1 published already; skipped 1 state.pt xxh3_128 mismatch"
+            in lines[0][0]), lines
 
 
 def test_one_failure_restored_on_two_ranks() -> None:
@@ -190,6 +236,16 @@ def test_worker_joining_during_recovery_is_not_a_new_launch() -> None:
     assert r.failures == [] and r.resets == 1 and r.lost_s["rollback"] == 0
     assert r.lost_s["recovery"] == pytest.approx(2.7 - 2.0)
     assert r.world_sizes == [2, 3]
+
+
+def test_launcher_lines_before_the_first_start_are_that_launch_s() -> None:
+    """The driver writes as rank -1 (its warm pool ready, 4 s of imports before any worker
+    starts): that is the launch's start-up, not a launch that died and restarted."""
+    evs = [ev(-4.0, "warm_pool_ready", -1, -1, seconds=4.0)] + clean_run()
+    assert len(split_launches(normalize(evs))) == 1
+    r = analyze(evs)
+    assert (r.launches, r.failures, r.restarts) == (1, [], [])
+    assert r.lost_s["startup"] == pytest.approx(5.0)
 
 
 def test_still_running_run() -> None:
@@ -339,7 +395,8 @@ def test_preemption_restart_is_not_a_failure() -> None:
     evs = starts(0.0, 2) + [ev(0.5, "sync", r) for r in (0, 1)] + [
         ev(1.5, "commit", step=10), ev(2.5, "commit", step=20),
         # the final, blocking checkpoint: it stalls training throughout
-        ev(2.9, "checkpoint_saved", step=20, seconds=0.3, stall_seconds=0.3, bytes=5, url="u"),
+        ev(2.9, "checkpoint_saved", step=20, ckpt_step=20, seconds=0.3, stall_seconds=0.3,
+           bytes=5, url="u"),
         ev(3.0, "preempted", 0, step=20, seconds=0.4, exit_code=143),
         ev(3.0, "preempted", 1, step=20, seconds=0.4, exit_code=143),
         *starts(5.0, 2),

@@ -30,7 +30,8 @@ def done_digests(run: Path) -> set[str]:
 
 
 def saved_steps(run: Path) -> list[int]:
-    return [e["step"] for e in events(run / "events.jsonl") if e["event"] == "checkpoint_saved"]
+    return [e["ckpt_step"] for e in events(run / "events.jsonl")
+            if e["event"] == "checkpoint_saved"]
 
 
 def check_kill_and_resume(tmp_path: Path, jobs, url_for) -> None:
@@ -81,7 +82,7 @@ def test_s3_outage_during_training_is_reported_and_training_goes_on(tmp_path, jo
         step_at_failure = max(e["step"] for e in evs() if e["event"] == "progress")
     finally:
         s3_server.start()
-    wait_for(lambda: any(s > failed[0]["step"] for s in saved_steps(run)), 120,
+    wait_for(lambda: any(s > failed[0]["ckpt_step"] for s in saved_steps(run)), 120,
              "a checkpoint saved after S3 came back", job)
     assert job.proc.poll() is None, "training stopped during the outage"
     workers = [p for p in job.processes() if p.cmdline()[1:2] == [DIGITS]]
@@ -113,7 +114,7 @@ def test_resume_at_another_world_size_continues_the_epoch(tmp_path, jobs):
     resumes = [e for e in evs if e["event"] == "resume"]
     assert [(e["from_step"], e["saved_world_size"], e["size"]) for e in resumes] == [
         (40, 2, 1), (70, 1, 3)]
-    saved = {e["step"]: e for e in evs if e["event"] == "checkpoint_saved"}
+    saved = {e["ckpt_step"]: e for e in evs if e["event"] == "checkpoint_saved"}
     assert max(saved) == 90
     # Exact-once across the size changes: every sample counted so far is where the sampler
     # stands (epoch * N + position in the epoch), in every checkpoint that is kept.

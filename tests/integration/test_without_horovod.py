@@ -1,5 +1,5 @@
 """Horovod is optional: `pip install .` into a fresh venv that has no Horovod (and no mpi4py),
-then `hvd-resilient run --backend torchrun -- python examples/digits.py` (and `--backend
+then `hvd-resilient run --launcher torchrun -- python examples/digits.py` (and `--launcher
 inplace`) trains, checkpoints, and survives a worker killed mid-run; the Horovod-only name says
 in one line what to install.
 

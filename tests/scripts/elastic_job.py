@@ -36,7 +36,7 @@ from hvd_resilient.events import EventLog
 from hvd_resilient.state.sampler import ElasticDataSampler
 from hvd_resilient.training.durable import DurableCheckpoints
 from hvd_resilient.training.faults import ENV, FaultPlan
-from hvd_resilient.training.memory_commits import MemoryCommits
+from hvd_resilient.training.memory_tier import MemoryCommits
 
 N_SAMPLES = 2048
 BATCH = 16
@@ -81,7 +81,7 @@ def main() -> int:
     # (size, first step seen at) for every world size so far: a committed attribute, so every
     # rank (a worker that joins later too, through sync) decides to stop at the same step.
     state = ElasticState(model, opt, sampler=ElasticDataSampler(N_SAMPLES, seed=0),
-                         events=events, sizes_seen=())
+                         events=events, sizes_seen=(), hold_additions=True)
     samples_fd = os.open(os.path.join(a.run_dir, "samples.jsonl"),
                          os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     durable = commits = None
@@ -93,7 +93,7 @@ def main() -> int:
                                        keep_last=100)
         if a.memory_tier:  # every commit also in this host's memory, for a full restart
             commits = MemoryCommits(cfg, state, events, HorovodBackend())
-        durable = DurableCheckpoints(cfg, state, events, HorovodBackend(), memory=commits)
+        durable = DurableCheckpoints(cfg, state, events, HorovodBackend(), memory_tier=commits)
         # Rank 0 of a fresh start (new workers join at the end, so never a late joiner): the
         # others wait in the first sync, which spreads what it loaded.
         if hvd.rank() == 0:
@@ -143,7 +143,7 @@ def main() -> int:
                 if durable is not None and durable.due():
                     durable.save()
                     if hvd.rank() == 0:  # the upload runs in the background from here on
-                        events.emit("checkpoint_submitted")
+                        events.emit("checkpoint_submitted", ckpt_step=state.step)
                 if stop:
                     return
 

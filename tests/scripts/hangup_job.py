@@ -17,6 +17,7 @@ with its pid and parameter digest. Stops at --steps.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import socket
 import time
@@ -32,6 +33,8 @@ from hvd_resilient.backends.horovod.state import ElasticState
 from hvd_resilient.detect import gloo_watch
 from hvd_resilient.events import EventLog
 from hvd_resilient.state.sampler import ElasticDataSampler
+
+logger = logging.getLogger("hvd_resilient.hangup_job")
 
 HELD: list[int] = []
 """Duplicates of the abandoned sockets: open until this process exits."""
@@ -87,7 +90,7 @@ def main() -> int:
                 conns = gloo_watch.peer_connections(everyone, hvd.rank())
             if state.step == a.abandon_step and hvd.rank() == a.abandon_rank and conns:
                 if abandon(conns, marker):
-                    log.get("hangup_job").warning("abandoned %d Gloo connections", len(conns))
+                    logger.warning("abandoned %d Gloo connections", len(conns))
             g = torch.Generator().manual_seed(state.step)
             idx = torch.randint(0, len(x), (32,), generator=g)
             opt.zero_grad()

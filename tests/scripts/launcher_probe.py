@@ -31,8 +31,9 @@ def main() -> int:
     p.add_argument("--step-time", type=float, default=0.02)
     a = p.parse_args()
     hvd.init()
-    events = EventLog(os.path.join(a.run_dir, "events.jsonl"), rank=hvd.rank, size=hvd.size)
     state = hvd.elastic.TorchState(step=0)
+    events = EventLog(os.path.join(a.run_dir, "events.jsonl"), rank=hvd.rank, size=hvd.size,
+                      step=lambda: state.step)
 
     @hvd.elastic.run
     def train(state: hvd.elastic.TorchState) -> None:
@@ -52,7 +53,7 @@ def main() -> int:
                     return
 
     train(state)
-    events.emit("done", step=state.step)
+    events.emit("done")
     return 0
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """A Trainer job with the long phases that are not failures: an evaluation of every rank
-inside a declared watchdog section (`--eval-at STEP --eval-seconds S`), and a state big
+inside a declared watchdog section (`--eval-at STEP --eval-seconds S`, `--eval-ranks` to
+leave some out), and a state big
 enough that each commit and checkpoint copies it for a while (`--ballast-mb`: a random buffer
 in the model, checkpointed like any other)."""
 
@@ -32,6 +33,8 @@ def main() -> int:
     TrainConfig.add_arguments(parser)
     parser.add_argument("--eval-at", type=int, default=-1)
     parser.add_argument("--eval-seconds", type=float, default=30.0)
+    parser.add_argument("--eval-ranks", default="",
+                        help="comma-separated ranks that evaluate (default: every rank)")
     parser.add_argument("--ballast-mb", type=float, default=0.0)
     args = parser.parse_args()
     cfg = TrainConfig.from_sources(args)
@@ -42,9 +45,11 @@ def main() -> int:
         model.register_buffer("ballast", torch.rand(n, generator=torch.Generator().manual_seed(1)))
 
     def on_step(state: Any, _loss: float) -> None:
-        if state.step != args.eval_at:
+        if state.step != args.eval_at or (
+                args.eval_ranks and str(trainer.backend.rank()) not in args.eval_ranks.split(",")):
             return
         # every rank evaluates (no collective inside), busy in Python as a real eval loop is
+        state.events.emit("evaluating", seconds=args.eval_seconds)
         with progress.section("evaluation", args.eval_seconds + 15):
             end = time.monotonic() + args.eval_seconds
             while time.monotonic() < end:
@@ -52,7 +57,8 @@ def main() -> int:
         state.events.emit("evaluated", seconds=args.eval_seconds)
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    Trainer(model, optimizer, nn.functional.cross_entropy, data(), cfg, on_step=on_step).fit()
+    trainer = Trainer(model, optimizer, nn.functional.cross_entropy, data(), cfg, on_step=on_step)
+    trainer.fit()
     return 0
 
 

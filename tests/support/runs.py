@@ -2,9 +2,10 @@
 events.jsonl, and the markers of the faults its plan fired.
 
 A planned fault (`HVD_RESILIENT_FAULT`, hvd_resilient/training/faults.py) writes no event: as
-it fires it creates `.fault-I-KIND-rR-sS` in the run folder (O_EXCL, so each planned fault
-fires at most once per run, restarts included), holding when it fired. A recovery test whose
-fault never fired passes for the wrong reason, so a test that plans faults says how many fired.
+it fires it creates `.fault-I-KIND-rR-sS` in the run folder (claimed atomically, so each
+planned fault fires at most once per run, restarts included), holding when it fired. A
+recovery test whose fault never fired passes for the wrong reason, so a test that plans faults
+says how many fired.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def resumed_from_last_commit(evs: list[dict], source: str = "memory") -> dict:
     """The one resume of a run: from the memory tier (or a peer's copy), at the newest commit
     a memory_commit event reported before it: nothing but the steps since that commit redone."""
     (resume,) = [e for e in evs if e["event"] == "resume"]
-    committed = [e["at_step"] for e in evs if e["event"] == "memory_commit"
+    committed = [e["ckpt_step"] for e in evs if e["event"] == "memory_commit"
                  and e["ts"] < resume["ts"]]
     assert committed, "no commit reached the memory tier before the restart"
     assert resume.get("source") == source, resume

@@ -11,6 +11,7 @@ checks them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -25,6 +26,8 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
+
+from hvd_resilient.die_with_parent import die_with_parent
 
 #: Every ``weed mini`` listener we pin to a free port (the ``-flag`` names).
 PORT_FLAGS = (
@@ -71,17 +74,6 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    """Linux: SIGKILL the server if the process that started it dies (e.g. pytest is
-    killed), so no orphaned ``weed`` outlives an interrupted session."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 class S3Server:
@@ -179,7 +171,8 @@ class S3Server:
             self.proc = subprocess.Popen(
                 args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 cwd=self.workdir, start_new_session=True,  # own process group: clean kill
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                # no orphaned `weed` outlives an interrupted session (pytest killed)
+                preexec_fn=functools.partial(die_with_parent, os.getpid()),
             )
         finally:
             log.close()

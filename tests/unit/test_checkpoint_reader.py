@@ -31,7 +31,7 @@ def test_a_reader_lists_verifies_and_loads_what_a_manager_saved(tmp_path) -> Non
     assert reader.verify(reader.latest()) == ["state.pt xxh3_128 mismatch"]  # type: ignore[arg-type]
     info, files = reader.load_latest()  # type: ignore[misc]
     assert info.step == 10 and bytes(files["state.pt"]) == _files(10)["state.pt"]
-    assert [f["step"] for f in events.named("checkpoint_skipped")] == [20]
+    assert [f["ckpt_step"] for f in events.named("checkpoint_skipped")] == [20]
     assert not hasattr(reader, "save") and not hasattr(reader, "prune")
 
 

@@ -24,7 +24,7 @@ def run(*argv: str) -> tuple[int, str, str]:
 
 
 def key(run_id: str, url: str, scope: str = "") -> str:
-    """The run key of memory_commits.MemoryCommits.run_key."""
+    """The run key of memory_tier.MemoryCommits.run_key."""
     where = hashlib.sha256(url.encode()).hexdigest()[:8]
     return f"{run_id}.{where}" + (f".{scope}" if scope else "")
 

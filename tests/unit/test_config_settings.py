@@ -101,15 +101,15 @@ def _resolve(argv: list[str]) -> dict:
 
 def test_run_options_defaults_file_then_flags(tmp_path):
     defaults = _resolve(["--", "python", "t.py"])
-    assert {k: defaults[k] for k in ("backend", "np", "max_restarts", "slot_hosts",
+    assert {k: defaults[k] for k in ("launcher", "np", "max_restarts", "slot_hosts",
                                      "blacklist_cooldown_range")} == {
-        "backend": "horovod", "np": 2, "max_restarts": 3, "slot_hosts": True,
+        "launcher": "horovod", "np": 2, "max_restarts": 3, "slot_hosts": True,
         "blacklist_cooldown_range": (10, 30)}
     f = tmp_path / "run.yaml"
     f.write_text("np: 3\nbackend: mpi\nmax-restarts: 5\nno_slot_hosts: true\n"
                  "blacklist_cooldown_range: [1, 2]\ncommand: python train.py --epochs 2\n")
     opts = _resolve(["--config", str(f)])
-    assert (opts["np"], opts["backend"], opts["max_restarts"], opts["slot_hosts"],
+    assert (opts["np"], opts["launcher"], opts["max_restarts"], opts["slot_hosts"],
             opts["blacklist_cooldown_range"], opts["command"]) == (
         3, "mpi", 5, False, (1, 2), ["python", "train.py", "--epochs", "2"])
     opts = _resolve(["--config", str(f), "--np", "4", "--slot-hosts", "--", "python", "x.py"])

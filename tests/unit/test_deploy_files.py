@@ -422,7 +422,7 @@ def test_compose_driver_command():
     driver = svcs["driver"]
     cmd = [interpolate(a) for a in driver["command"]]
     opts, train = run_options(cmd)
-    assert opts.backend == "horovod" and opts.network_interface == "eth0"
+    assert opts.launcher == "horovod" and opts.network_interface == "eth0"
     assert opts.discovery == "/shared/discover.sh"
     # `entrypoint.sh setup` puts docker/discover.sh there, on the volume mounted at /shared.
     assert '"$SHARED/discover.sh"' in ENTRYPOINT.read_text()
@@ -527,7 +527,7 @@ def test_k8s_rbac_lets_the_launcher_list_pods():
 def test_k8s_launcher_command_and_paths():
     c = launcher()
     opts, train = run_options(c["args"])
-    assert opts.backend == "horovod" and opts.network_interface == "eth0"
+    assert opts.launcher == "horovod" and opts.network_interface == "eth0"
     app = dockerfile_env()[2]["APP_DIR"]
     assert opts.discovery.startswith(app + "/")
     script = ROOT / opts.discovery[len(app) + 1:]

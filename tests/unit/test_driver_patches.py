@@ -1,6 +1,7 @@
 """Each patch family of the Horovod driver against a small stub driver: the replacement
 functions are built from stand-ins for Horovod's originals and called on plain objects, so
-nothing here patches the test session's Horovod classes or starts a process."""
+nothing here patches the test session's Horovod classes; the only processes started are the
+discovery scripts of the discovery tests (shell scripts)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from hvd_resilient.backends.horovod import compat, driver_kv
 from hvd_resilient.errors import FATAL_EXIT_CODE
 from hvd_resilient.events import read_events
 from hvd_resilient.launch.horovod import patches
@@ -20,6 +22,7 @@ from hvd_resilient.launch.horovod.patches import (
     discovery_check,
     evict,
     fatal_stop,
+    leaving,
     slot_hosts,
     standby,
 )
@@ -70,14 +73,15 @@ def recorder() -> tuple[list[tuple[Any, ...]], Any]:
 def test_the_order_is_one_list_and_the_switches_pick_from_it():
     names = [p.name for p in patches.ORDER]
     assert names == ["discovery_interval", "discovery_check", "slot_hosts", "fatal_stop",
-                     "standby", "evict"]
+                     "standby", "evict", "fast_middleman", "leaving"]
 
     def wanted(options: DriverOptions) -> list[str]:
         return [p.name for p in patches.ORDER if p.wanted(options)]
 
     assert wanted(DriverOptions()) == names[1:]  # no interval: Horovod's 1 s stays
     assert wanted(DriverOptions(slot_hosts=False, standby=False, discovery_interval_s=0.5)) \
-        == ["discovery_interval", "discovery_check", "fatal_stop", "evict"]
+        == ["discovery_interval", "discovery_check", "fatal_stop", "evict", "fast_middleman",
+            "leaving"]
 
 
 def test_install_follows_the_order_it_is_given():
@@ -120,6 +124,36 @@ def test_a_bad_answer_later_keeps_the_last_good_hosts_and_is_recorded_once(tmp_p
     assert find(d) == {"a": 1}
     (ev,) = [e for e in read_events(tmp_path / "events.jsonl")]
     assert (ev["event"], ev["rank"], ev["kept"]) == ("discovery_invalid", -1, "a:1,b:2")
+
+
+def _script(tmp_path, body: str) -> SimpleNamespace:
+    path = tmp_path / "discover.sh"
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return SimpleNamespace(_discovery_script=str(path))
+
+
+def test_the_discovery_script_runs_as_a_plain_child_with_horovod_s_errors(tmp_path, capfd):
+    """No spawned middleman interpreter (1.2-2.2 s a poll under load): the script's stdout is
+    the answer, its stderr the driver's, a non-zero exit Horovod's RuntimeError."""
+    ok = _script(tmp_path, "echo b:2; echo a:1; echo why >&2\n")
+    assert discovery_check.run_script(ok) == "b:2\na:1\n"
+    assert capfd.readouterr().err == "why\n"
+    bad = _script(tmp_path, "exit 3\n")
+    with pytest.raises(RuntimeError, match="Exit code: 3"):
+        discovery_check.run_script(bad)
+
+
+def test_a_discovery_script_that_never_answers_is_ended_with_its_children(tmp_path, monkeypatch):
+    import psutil
+
+    monkeypatch.setattr(discovery_check, "SCRIPT_TIMEOUT_S", 0.5)
+    pid_file = tmp_path / "child.pid"
+    hung = _script(tmp_path, f"sleep 60 & echo $! > {pid_file}; wait\n")
+    with pytest.raises(RuntimeError, match="No answer within"):
+        discovery_check.run_script(hung)
+    child = int(pid_file.read_text())
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == "zombie"
 
 
 # -- slot hosts -------------------------------------------------------------------------------
@@ -239,6 +273,27 @@ def test_the_reset_releases_a_standby_once_it_is_ready_and_starts_the_others():
     assert standby.standby_table(driver) == {}
 
 
+def test_the_store_lists_the_unreleased_standbys_for_rank_0_after_every_change():
+    patch, _ = make_standby(PatchContext(DriverOptions(standby_ready_timeout_s=5.0)))
+    patch.wrapped = True
+    driver = grown_driver()
+    httpd = driver._rendezvous._httpd
+
+    def listed() -> bytes | None:
+        with httpd.cache_lock:
+            return httpd.cache.get(driver_kv.WARMING, {}).get(driver_kv.WARMING_KEY)
+
+    patch.notify_host_changes(driver, Hosts(["a+0", "b+0", "c+0"]), "added")
+    assert listed() == b"b+0:0,c+0:0", "listed before rank 0 is told"
+    patch.handle_worker_exit(driver, standby.standby_table(driver)["c+0:0"], 1, 0.0)
+    assert listed() == b"b+0:0", "a standby that died is not waited for"
+    with httpd.cache_lock:
+        httpd.cache.clear()  # the reset's rendezvous clears the store
+        httpd.cache[driver_kv.READY] = {"b+0:0": b"1"}
+    patch.start_or_release(driver, [slot("a+0"), standby.standby_table(driver)["b+0:0"]])
+    assert listed() is None and standby.standby_table(driver) == {}
+
+
 def test_a_standby_that_exits_before_its_release_is_only_logged():
     patch, seen = make_standby(PatchContext())
     driver = grown_driver()
@@ -275,3 +330,31 @@ def test_the_eviction_watch_starts_once_with_the_first_workers():
     for t in threading.enumerate():
         if t.name == "hvd-resilient-evict" and t.name not in before:
             t.join(5)
+
+
+# -- leaving ----------------------------------------------------------------------------------
+def test_the_next_world_s_slots_are_written_before_the_workers_are_told():
+    driver = grown_driver()
+    told: list[Any] = []
+
+    def notify(d: Any, hosts: Any, res: Any) -> None:  # what the store holds when told
+        told.append(compat.kv_get(d, driver_kv.NEXT_SLOTS).get(driver_kv.NEXT_SLOTS_KEY))
+
+    publish = leaving.publishing(notify)
+    publish(driver, Hosts(["a+0", "b+0"]), "added")
+    publish(driver, Hosts(["b+0"]), "removed")
+    assert told == [b"a+0:0,b+0:0", b"b+0:0"]
+
+
+def test_no_slots_are_written_where_no_world_would_form_now():
+    driver = grown_driver()
+    driver._min_num_proc = 2
+    compat.kv_set(driver, driver_kv.NEXT_SLOTS, driver_kv.NEXT_SLOTS_KEY, b"stale:0")
+    leaving.publishing(lambda *a: None)(driver, Hosts(["a+0"]), "removed")
+    assert compat.kv_get(driver, driver_kv.NEXT_SLOTS) == {}  # the stale list is gone too
+    assert leaving.next_slots(StubDriver(), Hosts(["a+0"])) is None  # no world formed yet
+    before_any_world = StubDriver()
+    before_any_world._rendezvous._httpd = None  # Horovod's first discovery comes before it
+    told: list[str] = []
+    leaving.publishing(lambda *a: told.append(a[2]))(before_any_world, Hosts(["a+0"]), "added")
+    assert told == ["added"]

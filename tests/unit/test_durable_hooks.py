@@ -22,8 +22,8 @@ from hvd_resilient.training.durable import (
     UploadStalled,
 )
 from hvd_resilient.training.durable_sharded import ShardedDurableCheckpoints
-from hvd_resilient.training.memory_commits import MemoryCommits
-from hvd_resilient.training.memory_sharded import ShardedMemoryCommits
+from hvd_resilient.training.memory_tier import MemoryCommits
+from hvd_resilient.training.memory_tier_sharded import ShardedMemoryCommits
 
 
 @pytest.mark.parametrize("base,sub", [(DurableCheckpoints, ShardedDurableCheckpoints),
@@ -110,7 +110,7 @@ def test_a_final_upload_that_never_ends_stops_the_run_restartably(tmp_path, monk
     monkeypatch.setattr(durable, "UPLOAD_WAIT_SECONDS", 0.05)
     ckpt, writer = _durable(tmp_path)
     ckpt.state.ckpt_requested = 30  # saved at this step already, still uploading
-    with _records("hvd_resilient.durable") as logged, \
+    with _records("hvd_resilient.training.durable") as logged, \
             pytest.raises(FinalCheckpointError, match="still uploading after") as err:
         ckpt.finish()
     assert error_exit_code(err.value) == RESTARTABLE_EXIT_CODE
@@ -130,7 +130,7 @@ def test_a_save_behind_a_stuck_upload_raises_before_any_collective(tmp_path) -> 
 
 def test_close_bounds_its_wait_and_says_what_stays_invisible(tmp_path) -> None:
     ckpt, writer = _durable(tmp_path)
-    with _records("hvd_resilient.durable") as logged:
+    with _records("hvd_resilient.training.durable") as logged:
         ckpt.close()
     assert writer.waits == [durable.UPLOAD_WAIT_SECONDS]
     assert "stays invisible" in logged[0].getMessage()
@@ -159,7 +159,7 @@ def test_a_commit_behind_a_segment_still_finishing_is_kept_in_the_process(tmp_pa
 
     tier._write(Folder(), 7, {})  # type: ignore[arg-type]
     ((name, fields),) = tier.events  # type: ignore[misc]
-    assert name == "memory_commit_failed" and fields["at_step"] == 7
+    assert name == "memory_commit_failed" and fields["ckpt_step"] == 7
     assert "still being finished after 0.05s" in fields["error"]
     assert tier.flush() is False  # bounded by default too
 
@@ -170,7 +170,7 @@ def test_close_does_not_wait_for_a_thread_that_never_ends(tmp_path) -> None:
     tier._thread = threading.Thread(target=stop.wait, daemon=True)
     tier._thread.start()
     tier._jobs.put("a job the thread never takes")
-    with _records("hvd_resilient.memory") as logged:
+    with _records("hvd_resilient.training.memory_tier") as logged:
         tier.close()
     stop.set()
     assert tier._thread is None

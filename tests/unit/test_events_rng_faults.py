@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import multiprocessing as mp
 import random
@@ -11,9 +12,10 @@ import pytest
 import torch
 
 from hvd_resilient.errors import ConfigError
-from hvd_resilient.events import EventLog, read_events
+from hvd_resilient.events import RESERVED, EventLog, ckpt_step, read_events
 from hvd_resilient.state import rng
 from hvd_resilient.training.faults import FaultPlan, InjectedFault
+from tests.support.paths import ROOT
 
 
 def test_event_has_contract_keys_and_hides_secrets(tmp_path):
@@ -23,6 +25,60 @@ def test_event_has_contract_keys_and_hides_secrets(tmp_path):
     assert {"ts", "event", "rank", "size", "step"} <= set(rec)
     assert (rec["rank"], rec["size"], rec["step"]) == (3, 4, 17)
     assert "S3CR3T" not in (tmp_path / "e.jsonl").read_text()
+
+
+@pytest.mark.parametrize("key", ["step", "ts", "rank", "size"])
+def test_a_field_named_like_a_fixed_key_is_refused(tmp_path, key):
+    """`step` is the training step on every event: a checkpoint's own is `ckpt_step`."""
+    log = EventLog(tmp_path / "e.jsonl", step=lambda: 17)
+    with pytest.raises(ValueError, match=f"'checkpoint_saved': field '{key}' is reserved"):
+        log.emit("checkpoint_saved", **{key: 5})
+    assert not (tmp_path / "e.jsonl").exists()  # nothing written
+    rec = log.emit("checkpoint_saved", ckpt_step=5)
+    assert (rec["step"], rec["ckpt_step"]) == (17, 5)
+
+
+def test_ckpt_step_reads_logs_of_every_version():
+    new = {"ts": 1.0, "event": "checkpoint_saved", "rank": 0, "size": 2, "step": 17,
+           "ckpt_step": 10}
+    assert ckpt_step(new) == 10
+    # before ckpt_step: a checkpoint event's `step` was its checkpoint's, a memory tier
+    # event's was `at_step`
+    assert ckpt_step({"ts": 1.0, "event": "checkpoint_saved", "rank": 0, "size": 2,
+                      "step": 10}) == 10
+    assert ckpt_step({"ts": 1.0, "event": "memory_commit", "rank": 0, "size": 2, "step": 12,
+                      "at_step": 10}) == 10
+    assert ckpt_step({"event": "x", "step": True}) is None and ckpt_step({}) is None
+
+
+def reserved_fields(source: str) -> list[tuple[int, str]]:
+    """(line, key) of each call `X.emit("name", key=...)` / `emit(cb, "name", {"key": ...})`
+    in `source` whose field is one of the event log's fixed keys."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+        if not name.endswith("emit"):
+            continue
+        found += [(node.lineno, k.arg) for k in node.keywords if k.arg in RESERVED]
+        dicts = [a for a in node.args if isinstance(a, ast.Dict)]
+        dicts += [k.value for k in node.keywords if k.arg is None and isinstance(k.value, ast.Dict)]
+        found += [(node.lineno, key.value) for d in dicts for key in d.keys
+                  if isinstance(key, ast.Constant) and key.value in RESERVED]
+    return found
+
+
+def test_no_event_in_the_package_passes_a_fixed_key():
+    assert reserved_fields('self.events.emit("memory_commit", step=3)\n'
+                           'emit(self.on_event, "checkpoint_saved", {"step": 3, "url": u})\n'
+                           'emit(cb, "x", {"ckpt_step": 3})\nlog.emit("y", ckpt_step=1)\n'
+                           ) == [(1, "step"), (2, "step")]
+    for path in sorted((ROOT / "hvd_resilient").rglob("*.py")):
+        for line, key in reserved_fields(path.read_text()):
+            pytest.fail(f"{path.relative_to(ROOT)}:{line}: an event field named {key!r} "
+                        "(reserved: the event log's own; a checkpoint's step is ckpt_step)")
 
 
 def test_torn_and_garbage_lines_are_skipped(tmp_path):
@@ -89,7 +145,7 @@ def test_fault_plan_bad_spec():
 
 
 def test_memory_growth_flagged_only_when_steady():
-    from hvd_resilient.training.memory import GrowthWatch, sample
+    from hvd_resilient.training.rss import GrowthWatch, sample
 
     w = GrowthWatch(resets=3, min_growth=0.10)
     assert [w.at_reset(x) for x in (100, 105, 111)] == [None, None, None]

@@ -1,13 +1,16 @@
-"""The in-place backend's launch surface: `hvd-resilient run --backend inplace`, the agent's
+"""The in-place backend's launch surface: `hvd-resilient run --launcher inplace`, the agent's
 options, and the agent's membership decisions over real (tiny, torch-free) worker processes."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+import threading
 import time
 
 import pytest
+import torch.distributed as dist
 
 from hvd_resilient import backends
 from hvd_resilient.backends.inplace import membership
@@ -29,7 +32,7 @@ def test_run_builds_the_agent_command_line_with_its_sizes():
     assert "--replace --" in " ".join(command("--backend", "inplace", "--replace"))
     with pytest.raises(ConfigError, match="runs its workers on this machine"):
         command("--backend", "inplace", "--hosts", "h1:2")
-    with pytest.raises(ConfigError, match="--replace is the inplace backend's"):
+    with pytest.raises(ConfigError, match="--replace is the inplace launcher's"):
         command("--backend", "torchrun", "--replace")
 
 
@@ -134,3 +137,114 @@ def test_a_finished_run_publishes_nothing_and_exits_0():
     agent = _agent(["pass", "pass"])
     assert _until(agent, lambda: False) == 0
     assert agent.generation == 0 and agent.finished == {0, 1}
+
+
+DOOR = """
+import os, time, torch.distributed as dist
+from hvd_resilient.backends.inplace import membership as m
+store = dist.PrefixStore(m.PREFIX, dist.TCPStore(*os.environ[m.AGENT_ENV].split(":")[:1],
+                         int(os.environ[m.AGENT_ENV].split(":")[1]), is_master=False))
+me = int(os.environ[m.MEMBER_ENV])
+store.set(m.door_key(int(store.get("gen")), me), "1")
+if me == {through}:
+    store.set(m.formed_key(int(store.get("gen")), me), "1")
+time.sleep(60)
+"""
+
+
+def test_members_at_the_door_of_a_generation_whose_member_died_get_the_next_one():
+    """A member dies a moment after a generation with it was published (a join): the others
+    wait at that generation's door and never ask, as no collective of theirs fails. The agent
+    publishes the next one without the dead member at once, not at the last call (60 s)."""
+    door = DOOR.replace("{through}", "-1")
+    agent = _agent([door, "import sys; sys.exit(3)", door], last_call=60.0)
+    try:
+        _until(agent, lambda: agent.generation == 1, timeout=15)
+        assert agent.members == [0, 2]
+    finally:
+        _stop(agent)
+
+
+def test_a_member_through_the_door_must_still_ask():
+    """Member 2 went through the door (its group formed): it is training, and it asks when a
+    collective with the dead member fails; until then the agent publishes nothing for it."""
+    door = DOOR.replace("{through}", "2")
+    agent = _agent([door, "import sys; sys.exit(3)", door], last_call=60.0)
+    try:
+        _until(agent, lambda: 1 in agent.failed and agent._at_door() == {0}, timeout=15)
+        for _ in range(20):
+            assert agent._step() is None
+        assert agent.generation == 0
+    finally:
+        _stop(agent)
+
+
+def test_a_member_at_the_door_goes_on_to_a_newer_generation():
+    """Membership's side: at generation 0's door it waits for every member; the agent's next
+    generation (without the one that never came) takes it there instead."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = dist.PrefixStore(membership.PREFIX, server)
+    store.set("joins", "0")
+    store.set(membership.gen_key(0), json.dumps([0, 1]))
+    store.set("gen", "0")
+    env = {membership.AGENT_ENV: f"127.0.0.1:{server.port}", membership.MEMBER_ENV: "0"}
+    m = membership.Membership(10.0, env)
+    assert m.wait_beyond(-1) == 0
+    result: list = []
+    waiter = threading.Thread(target=lambda: result.append(m._at_door(0)))
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive(), "went through the door without member 1"
+    store.set(membership.gen_key(1), json.dumps([0]))
+    store.set("gen", "1")
+    waiter.join(5)
+    assert result == [False]
+    assert m.wait_beyond(0) == 1 and m._at_door(1) is True
+
+
+FORMING = """
+import datetime, os, torch, torch.distributed as dist
+from hvd_resilient.backends.inplace import membership as m
+me = m.Membership(30.0)
+me.enter(-1, datetime.timedelta(seconds=300))
+gloo = dist.group.WORLD._get_backend(torch.device("cpu"))
+print(me.generation, dist.get_world_size(), int(gloo.options._timeout.total_seconds()))
+"""
+
+
+def test_a_member_that_dies_after_the_door_costs_the_others_no_timeout(tmp_path):
+    """Member 1 reached generation 0's door, then died before its group formed: member 0 waits
+    in the formation for keys that never come. Once the agent publishes the next generation
+    (it counts members at the door, not through it, as asking), member 0 must give the
+    formation up at once and form that one, not wait out the process-group timeout (300 s);
+    its group then has the collectives' own timeout again."""
+    import subprocess
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = dist.PrefixStore(membership.PREFIX, server)
+    store.set("joins", "0")
+    store.set(membership.gen_key(0), json.dumps([0, 1]))
+    store.set("gen", "0")
+    store.set(membership.door_key(0, 1), "1")  # it arrived, and died there
+    env = {**os.environ, membership.AGENT_ENV: f"127.0.0.1:{server.port}",
+           membership.MEMBER_ENV: "0"}
+    keys = server.num_keys()
+    proc = subprocess.Popen([sys.executable, "-c", FORMING], env=env, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not store.check([membership.door_key(0, 0)]):
+            assert proc.poll() is None and time.monotonic() < deadline, "never at the door"
+            time.sleep(0.01)
+        while server.num_keys() < keys + 2:  # its door, then its group's first key
+            assert proc.poll() is None and time.monotonic() < deadline, "never formed"
+            time.sleep(0.01)
+        assert not store.check([membership.formed_key(0, 0)])
+        store.set(membership.gen_key(1), json.dumps([0]))
+        store.set("gen", "1")
+        out, _ = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert out.split() == ["1", "1", "300"], out
+    assert store.check([membership.formed_key(1, 0)])

@@ -157,7 +157,7 @@ def write_log(folder: Path, failures: bool = True) -> Path:
     while step < 90:
         t, step = t + 2.0, step + 10
         e(t, "commit", step=step, seconds=0.02)
-    e(t + 0.2, "checkpoint_saved", step=step, seconds=4.0, stall_seconds=0.3,
+    e(t + 0.2, "checkpoint_saved", step=step, ckpt_step=step, seconds=4.0, stall_seconds=0.3,
       upload_seconds=3.7, bytes=2_000_000_000)
     if failures:
         base = t + 1.0
@@ -238,7 +238,7 @@ def test_cli_run_without_failures_still_plans_and_says_what_is_default(tmp_path,
     assert "measured inputs from" in out
     lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.startswith("ours_")}
     assert " M " in lines["ours_detect_s"]  # the recovery benchmark's, not this log's
-    assert "recovery-failures.json" in lines["ours_recover_s"]
+    assert "recovery-random-kill.json" in lines["ours_recover_s"]
 
 
 def test_cli_writes_the_plot_into_the_run_folder(tmp_path, capsys):

@@ -57,6 +57,7 @@ class HorovodBackend(Backend):
 
     def make_state(self, model: Any, optimizer: Any, **kwargs: Any) -> ElasticState:
         kwargs.setdefault("host_check_every", self.host_check_every)
+        kwargs.setdefault("hold_additions", True)  # the Trainer's loop has no Horovod timing
         return ElasticState(model, optimizer, **kwargs)
 
     def run(self, fn: Callable[[Any], None], state: Any) -> None:

@@ -42,6 +42,8 @@ DRIVER_TARGETS = (
     ("horovod.runner.elastic.driver", "ElasticDriver.finished"),
     ("horovod.runner.elastic.registration", "WorkerStateRegistry._wait"),
     ("horovod.runner.http.http_server", "RendezvousHTTPServer.handle_error"),
+    ("horovod.runner.common.util.safe_shell_exec", "multiprocessing"),
+    ("horovod.runner.common.util.safe_shell_exec", "_exec_middleman"),
 )
 DRIVER_FIELDS = (
     # (module, class, instance attribute set in __init__)
@@ -68,6 +70,10 @@ WORKER_TARGETS = (
     ("horovod.common.elastic", "notification_manager"),
     ("horovod.common.exceptions", "HorovodInternalError"),
     ("horovod.common.exceptions", "HostsUpdatedInterrupt"),
+    # a leaving worker asks the rendezvous for its slot as init does (`leaving.py`)
+    ("horovod.runner.elastic.rendezvous", "GET_RANK_AND_SIZE"),
+    # a standby's first init waits for its release (`launch/horovod/standby.py`)
+    ("horovod.common.basics", "HorovodBasics.init"),
     # --deterministic's ordered optimizer (`backends/horovod/ordered.py`)
     ("horovod.torch.optimizer", "_DistributedOptimizer._allreduce_grad_async"),
     ("horovod.torch.optimizer", "_DistributedOptimizer.synchronize"),

@@ -11,6 +11,7 @@ partitioned host is treated the same way: it cannot rejoin its job anyway.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -18,9 +19,8 @@ from collections.abc import Callable
 from hvd_resilient.detect.heartbeat import probe as reachable
 from hvd_resilient.errors import DRIVER_LOST_EXIT_CODE, exit_now
 from hvd_resilient.events import EventLog
-from hvd_resilient.log import get
 
-log = get("driver_watch")
+logger = logging.getLogger(__name__)
 PROBE_EVERY_S = 1.0
 LOST_AFTER = 5  # consecutive failed probes
 PROBE_TIMEOUT_S = 2.0
@@ -61,7 +61,7 @@ def start(events: EventLog) -> bool:
 
     def lost() -> None:
         events.emit("driver_lost", driver=f"{address[0]}:{address[1]}")
-        log.error("the horovodrun driver at %s:%d is gone; exiting (code %d) so that no "
+        logger.error("the horovodrun driver at %s:%d is gone; exiting (code %d) so that no "
                   "orphaned worker trains on beside a relaunch", *address, DRIVER_LOST_EXIT_CODE)
         exit_now(DRIVER_LOST_EXIT_CODE)
 

@@ -10,6 +10,7 @@ event, killing a silent peer on this machine) is `detect/silent_peers.py`.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import urllib.error
@@ -17,9 +18,8 @@ import urllib.request
 from collections.abc import Callable
 
 from hvd_resilient.detect import heartbeat
-from hvd_resilient.log import get
 
-log = get("silent_peers")
+logger = logging.getLogger(__name__)
 
 LOST_SCOPE = "hvd_resilient_lost"
 """Rendezvous KV scope where workers name the slots they found silent; the driver reads it."""
@@ -45,7 +45,7 @@ def report(peers: list[heartbeat.Peer], address: tuple[str, int] | None,
             with urllib.request.urlopen(req, timeout=2):
                 pass
         except (urllib.error.URLError, OSError) as e:
-            log.warning("could not tell the driver that %s is silent: %s", p.slot, e)
+            logger.warning("could not tell the driver that %s is silent: %s", p.slot, e)
 
 
 def evicted(address: tuple[str, int] | None, slot: str, pid: int) -> bool | None:

@@ -10,6 +10,7 @@ synced once and a failure ends the job, to be resumed from a durable checkpoint.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -21,16 +22,15 @@ import torch
 from horovod.common.elastic import notification_manager
 from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 
-from hvd_resilient.backends.horovod import driver_watch, lost_slots, slots
+from hvd_resilient.backends.horovod import driver_watch, leaving, lost_slots, slots
 from hvd_resilient.backends.horovod.state import ElasticState, is_elastic
 from hvd_resilient.backends.threads import share_cores
 from hvd_resilient.detect import Detectors, hangup, progress
 from hvd_resilient.detect.gloo_watch import GlooWatch
 from hvd_resilient.detect.silent_peers import SilentPeers
 from hvd_resilient.errors import HUNG_EXIT_CODE, exit_now, one_line
-from hvd_resilient.log import get
 
-log = get("elastic")
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -82,6 +82,7 @@ def _run_elastic(train: Callable[[], T], state: ElasticState, heartbeat_timeout_
                 detected, skip_sync = _recover(e, state, w), False
             except HostsUpdatedInterrupt as e:
                 detected, skip_sync = _hosts_changed(e, state, w), e.skip_sync
+                _leave_if_removed(state)
             _reset(state, detected)
     finally:
         w.detectors.disarm()
@@ -138,7 +139,7 @@ def _recover(e: HorovodInternalError, state: ElasticState, w: _Watch) -> float:
     hangup.hang_up(w.gloo.stand_down())  # peers blocked on us fail now
     if lost_slots.evicted_within(w.driver, w.slot, os.getpid(), lost_slots.ASK_S,
                                  until_answer=True):
-        log.error("the other workers evicted this one as silent (frozen or cut off) and went "
+        logger.error("the other workers evicted this one as silent (frozen or cut off) and went "
                   "on without it; exiting (code %d) without writing", HUNG_EXIT_CODE)
         exit_now(HUNG_EXIT_CODE)
     with progress.section("recovery", None):  # until the next sync, unbounded
@@ -151,7 +152,7 @@ def _recover(e: HorovodInternalError, state: ElasticState, w: _Watch) -> float:
         )
         if hung_up:
             detected = hung_up
-        log.warning("collective failed (%s); restoring the last commit", one_line(e, typed=True))
+        logger.warning("collective failed (%s); restoring the last commit", one_line(e, typed=True))
         state.restore()
     return detected
 
@@ -166,6 +167,20 @@ def _hosts_changed(e: HostsUpdatedInterrupt, state: ElasticState, w: _Watch) -> 
     return detected
 
 
+def _leave_if_removed(state: ElasticState) -> None:
+    """Ends this worker, exit code 0, when the host change removed its slot: before the
+    `hvd.init()` that would abort it (`leaving.py`)."""
+    slot = leaving.slot_left()
+    if slot is None:
+        return
+    state.events.emit("left_job", slot=slot)
+    logger.info("slot %s left the job (discovery no longer lists it); this worker exits", slot)
+    with progress.section("leaving", None):  # the rendezvous waits as long as a reset's
+        hvd.shutdown()
+        code = leaving.exit_code_of_leaving(slot)
+    raise SystemExit(code)
+
+
 def _reset(state: ElasticState, detected: float) -> None:
     """Horovod re-formed: this worker joins the new world."""
     old_size = hvd.size()
@@ -176,7 +191,7 @@ def _reset(state: ElasticState, detected: float) -> None:
     state.events.emit("reset", old_size=old_size, new_size=hvd.size(),
                       seconds=round(time.time() - detected, 6))
     if hvd.rank() == 0:
-        log.info("reset: world size %d -> %d", old_size, hvd.size())
+        logger.info("reset: world size %d -> %d", old_size, hvd.size())
 
 
 def _arm(detectors: Detectors, state: ElasticState) -> None:
@@ -187,7 +202,7 @@ def _arm(detectors: Detectors, state: ElasticState) -> None:
     counts = detectors.arm(hvd.rank(), [offers for offers, _ in everyone])
     watched, beats = counts[GlooWatch.name], counts[SilentPeers.name]
     if watched == 0 and hvd.size() > 1:
-        log.warning("no Gloo connections found to watch; failures are detected at the Gloo "
+        logger.warning("no Gloo connections found to watch; failures are detected at the Gloo "
                     "timeout only")
     # With slot hosts every worker is alone on its "host" (hvd.local_size() == 1): count the
     # workers on this machine from what every rank just said, at every (re)start.

@@ -23,6 +23,7 @@ import torch
 from horovod.common.elastic import ObjectState
 from horovod.torch.elastic.state import StateHandler, TorchState
 
+from hvd_resilient.backends.horovod.added_hosts import AddedHostsHold
 from hvd_resilient.backends.horovod.collectives import HorovodCollectives
 from hvd_resilient.events import EventLog
 from hvd_resilient.state.commits import Commit, RngCommit, commit_for
@@ -75,6 +76,7 @@ class ElasticState(InMemoryState, TorchState):
         lr_scaling: str = "none",
         events: EventLog | None = None,
         host_check_every: int = 1,
+        hold_additions: bool = False,
         **extras: Any,
     ) -> None:
         self._init_core(seed=seed, lr_scaling=lr_scaling, events=events, extras=extras)
@@ -99,6 +101,12 @@ class ElasticState(InMemoryState, TorchState):
             object.__setattr__(self, name, obj)
         self._handlers["rng"] = _Slot(RngCommit())
         self._collectives = HorovodCollectives()
+        self._added_hold = AddedHostsHold() if hold_additions else None
+        """``hold_additions``: rank 0 holds an added host's reset until the driver's standby
+        workers are warm (`added_hosts.py`), so the others train through the newcomers' cold
+        start. Off by default: a script written for Horovod may count on the reset at the
+        next commit after the notice (Horovod's own elastic scenarios do); the Trainer turns
+        it on."""
 
     def _rank(self) -> int:
         return hvd.rank()
@@ -110,6 +118,40 @@ class ElasticState(InMemoryState, TorchState):
     def commit(self) -> None:
         self._take_commit()
         self.check_host_updates()
+
+    def check_host_updates(self) -> None:
+        """Horovod's, except that rank 0 keeps an addition whose standbys are still warming
+        to itself until they are warm (`added_hosts.py`): it broadcasts "no change" meanwhile,
+        so every rank trains on and all reset together at a later commit."""
+        held = self._hold_additions()
+        try:
+            super().check_host_updates()
+        finally:
+            for message in held:
+                self._host_messages.put(message)
+
+    def _hold_additions(self) -> list[Any]:
+        """Rank 0: the pending host messages, taken out of the queue while they are to be
+        held ([] otherwise, the queue untouched)."""
+        if hvd.rank() != 0 or self._host_messages.empty() or not self._holding():
+            return []
+        held = []
+        while not self._host_messages.empty():
+            held.append(self._host_messages.get_nowait())
+        return held
+
+    def _holding(self) -> bool:
+        """Rank 0: whether the pending host messages are held (a look: the queue untouched)."""
+        hold = self._added_hold
+        if hold is None:
+            return False
+        with self._host_messages.mutex:
+            updates = [update for _, update in self._host_messages.queue]
+        holding = hold.holding(updates)
+        if hold.held_s is not None:
+            self.events.emit("standby_wait", seconds=round(hold.held_s, 3))
+            hold.held_s = None
+        return holding
 
     def host_change_pending(self) -> bool:
         """True on every rank when discovery changed the hosts: commit now, and the reset
@@ -128,7 +170,7 @@ class ElasticState(InMemoryState, TorchState):
             return False
         pending = torch.zeros(1, dtype=torch.int32)
         if hvd.rank() == 0 and not self._host_messages.empty():
-            pending.fill_(1)
+            pending.fill_(0 if self._holding() else 1)
         hvd.broadcast_(pending, root_rank=0, name="hvd_resilient.hosts_pending")
         return bool(pending.item())
 

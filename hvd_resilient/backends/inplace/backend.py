@@ -12,6 +12,7 @@ survivor). The step loop goes on; the sampler re-plans the rest of the epoch for
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import socket
 import threading
@@ -25,6 +26,7 @@ import torch.distributed as dist
 
 from hvd_resilient.backends import determinism
 from hvd_resilient.backends.base import Backend
+from hvd_resilient.backends.inplace.busy import BusyReporter
 from hvd_resilient.backends.inplace.grads import GradientAverager
 from hvd_resilient.backends.inplace.membership import Fenced, Membership
 from hvd_resilient.backends.inplace.state import GenerationChanged, InPlaceState
@@ -34,9 +36,8 @@ from hvd_resilient.detect.gloo_watch import GlooWatch
 from hvd_resilient.detect.heartbeat import Peer
 from hvd_resilient.detect.silent_peers import SilentPeers
 from hvd_resilient.errors import HUNG_EXIT_CODE, HvdResilientError, exit_now, one_line
-from hvd_resilient.log import get
 
-log = get("inplace")
+logger = logging.getLogger(__name__)
 MAX_FAILED_GENERATIONS = 5
 """Generations in a row that fail before their first commit: then the fault is not a peer's
 (a bug that fails a collective every time), and the job stops instead of looping."""
@@ -101,8 +102,7 @@ class InPlaceBackend(Backend):
 
     def _take_place(self, m: Membership) -> None:
         """The first generation that holds this worker, and its group."""
-        m.wait_beyond(-1, joining=True)
-        m.form(self.pg_timeout)
+        m.enter(-1, self.pg_timeout, joining=True)
 
     # Rank and size come from the generation's member list (equal to the group's once it is
     # formed): a latecomer sets up with the place it will most likely take, before it has a
@@ -151,6 +151,7 @@ class InPlaceBackend(Backend):
             self.heartbeat_timeout_s, state.events, machine=socket.gethostname(),
             slot=str(m.me), coordinator=None, evict=_AgentEvict(m, watch.trip),
             quiet_for=watch.quiet_for))
+        busy = BusyReporter(m.me).start()  # the agent's last call waits for a busy member
         failed_in_a_row, last_commit = 0, state.last_commit_step
         if m.generation > 0 and m.announced_at is not None:  # a replacement, taken in now
             state.events.emit("joined", member=m.me, generation=m.generation,
@@ -188,6 +189,7 @@ class InPlaceBackend(Backend):
                             f"last: {one_line(e, typed=True)}") from e
                     self._next_generation(state, e, detected, watch)
         finally:
+            busy.stop()
             detectors.disarm()
 
     def _next_generation(self, state: Any, error: BaseException, detected: float,
@@ -218,18 +220,17 @@ class InPlaceBackend(Backend):
             if after_fault:
                 m.report_fault(old_gen)
             try:
-                m.wait_beyond(old_gen)
+                m.enter(old_gen, self.pg_timeout)
             except Fenced as e:
-                log.error("%s; exiting (code %d)", e, HUNG_EXIT_CODE)
+                logger.error("%s; exiting (code %d)", e, HUNG_EXIT_CODE)
                 exit_now(HUNG_EXIT_CODE)
-            m.form(self.pg_timeout)
         state.reset_done()
         joined = {} if after_fault else {"joined": True}
         state.events.emit("reset", old_size=old_size, new_size=self.size(),
                           generation=m.generation, seconds=round(time.time() - since, 6),
                           **joined, **_resources())
         if self.rank() == 0:
-            log.info("generation %d: world size %d -> %d%s", m.generation, old_size,
+            logger.info("generation %d: world size %d -> %d%s", m.generation, old_size,
                      self.size(), "" if after_fault else " (a worker joined)")
 
     def allgather_object(self, obj: Any) -> list[Any]:

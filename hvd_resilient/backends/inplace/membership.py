@@ -9,8 +9,14 @@ ending the ones that did not ask. ``evict/<member>`` names a member its peers fo
 (frozen, cut off): the agent ends it. ``ready/<member>`` says a worker is up and waits to be
 taken in (a replacement the agent started): the agent publishes a generation with it, which
 the members notice at their next step (rank 0 reads, one broadcast) and move to at a commit.
-``pg/<g>/`` holds generation g's process-group keys, so a new group never reads a dead
-generation's addresses.
+``busy/<member>`` (a wall-clock time, renewed every `BUSY_EVERY_S`) says a member is inside a
+section it declared to its watchdog (an evaluation, a synchronous checkpoint), where it runs no
+collective and so cannot ask: the agent's last call waits for it while it is renewed.
+``door/<g>/<member>`` says a member waits at generation g's door (every member of g arrives
+before the group is formed), ``formed/<g>/<member>`` that it went through; a member that
+died before it arrived leaves the others at the door, where the agent counts them as asking
+for the next generation. ``pg/<g>/`` holds generation g's process-group keys, so a new group
+never reads a dead generation's addresses.
 
 Member ids are the agent's, never reused: a worker started later (a replacement) gets a new
 one, and ranks are positions in a generation's member list.
@@ -22,8 +28,11 @@ import datetime
 import json
 import os
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from hvd_resilient.backends import INPLACE_AGENT_ENV
 
@@ -32,6 +41,12 @@ AGENT_ENV = INPLACE_AGENT_ENV
 """``host:port`` of the agent's store; set by the agent for every worker it starts."""
 MEMBER_ENV = "HVD_RESILIENT_MEMBER"
 POLL_S = 0.005
+FORM_TIMEOUT_S = 30.0
+"""How long a generation's group may take to form once every member is at its door (then
+the collectives' own timeout is set). A member that dies in between leaves the others in the
+formation: their waits for its keys end as soon as the agent publishes the next generation
+(`FormationStore`); only a dead peer's address that no longer answers is left to this
+timeout, instead of the process-group timeout (300 s)."""
 
 
 def gen_key(g: int) -> str:
@@ -50,8 +65,82 @@ def ready_key(member: int) -> str:
     return f"ready/{member}"
 
 
+def busy_key(member: int) -> str:
+    return f"busy/{member}"
+
+
+BUSY_EVERY_S = 0.5
+BUSY_FRESH_S = 2.0
+"""A `busy/<member>` time older than this is not renewed any more: its member left its
+section (then it asks at its next collective) or stopped running Python (frozen, or stuck
+holding the interpreter lock), and the last call applies to it again."""
+
+
+def agent_store(env: dict[str, str], timeout_s: float) -> dist.TCPStore:
+    """A connection to the agent's store (its keys are under `PREFIX`)."""
+    host, _, port = env[AGENT_ENV].rpartition(":")
+    return dist.TCPStore(host, int(port), is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def door_key(g: int, member: int) -> str:
+    return f"door/{g}/{member}"
+
+
+def formed_key(g: int, member: int) -> str:
+    return f"formed/{g}/{member}"
+
+
 def group_prefix(g: int) -> str:
     return f"{PREFIX}pg/{g}/"
+
+
+class FormationStore(dist.Store):
+    """The store a generation's group forms over: its waits give up as soon as the generation
+    is superseded (a member died after the door, and the agent published the next one),
+    where a `PrefixStore` would wait out its timeout for the dead member's keys."""
+
+    def __init__(self, base: dist.Store, prefix: str, superseded: Callable[[], bool],
+                 timeout_s: float) -> None:
+        super().__init__()
+        self.inner = dist.PrefixStore(prefix, base)
+        self.superseded = superseded
+        self.timeout_s = timeout_s
+
+    def _wait(self, keys: list[str]) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while not self.inner.check(keys):
+            if self.superseded():
+                raise RuntimeError(f"generation superseded while its group formed (waited "
+                                   f"for {keys})")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"keys {keys} not set within {self.timeout_s:.0f}s")
+            time.sleep(POLL_S)
+
+    def set(self, key: str, value: Any) -> None:
+        self.inner.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        self._wait([key])
+        return self.inner.get(key)
+
+    def wait(self, keys: list[str], *_timeout: Any) -> None:
+        self._wait(keys)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.inner.check(keys)
+
+    def add(self, key: str, value: int) -> int:
+        return self.inner.add(key, value)
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        return self.inner.compare_set(key, expected, desired)
+
+    def delete_key(self, key: str) -> bool:
+        return self.inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self.inner.num_keys()
 
 
 class Fenced(Exception):
@@ -63,11 +152,9 @@ class Membership:
 
     def __init__(self, timeout_s: float, env: dict[str, str] | None = None) -> None:
         env = dict(os.environ if env is None else env)
-        host, _, port = env[AGENT_ENV].rpartition(":")
         self.me = int(env[MEMBER_ENV])
         self.timeout_s = timeout_s
-        self.base = dist.TCPStore(host, int(port), is_master=False,
-                                  timeout=datetime.timedelta(seconds=timeout_s))
+        self.base = agent_store(env, timeout_s)
         self.store = dist.PrefixStore(PREFIX, self.base)
         self.joins = self.store.get("joins") == b"1"
         """Whether the agent starts workers that join later (`--replace`); set before any
@@ -135,9 +222,51 @@ class Membership:
     def rank(self) -> int:
         return self.members.index(self.me)
 
-    def form(self, pg_timeout: datetime.timedelta) -> None:
-        """This generation's process group (the default group), over its own prefix."""
-        dist.init_process_group("gloo", store=dist.PrefixStore(group_prefix(self.generation),
-                                                               self.base),
-                                rank=self.rank, world_size=len(self.members),
-                                timeout=pg_timeout)
+    def enter(self, after: int, pg_timeout: datetime.timedelta, *,
+              joining: bool = False) -> None:
+        """Takes this worker into the first generation after ``after`` that holds it, and forms
+        its process group. Every member meets the others at the door first: one that died
+        before it got there (a moment after a join was published, say) would otherwise leave
+        them in the group's formation until its timeout; at the door they wait for the
+        agent's next generation instead, which leaves the dead one out (`wait_beyond`'s
+        `Fenced` and TimeoutError pass through)."""
+        while True:
+            g = self.wait_beyond(after, joining=joining)
+            if self._at_door(g) and self._form(g, pg_timeout):
+                break
+            after = g  # superseded at the door or in the formation: the next one holds it?
+        self.store.set(formed_key(g, self.me), "1")
+
+    def _form(self, g: int, pg_timeout: datetime.timedelta) -> bool:
+        """Forms generation ``g``'s group; False when it was superseded meanwhile (a member
+        died after the door)."""
+        set_timeout = getattr(c10d, "_set_pg_timeout", None)  # feature, not version
+        form = min(pg_timeout, datetime.timedelta(seconds=FORM_TIMEOUT_S))
+        store = FormationStore(self.base, group_prefix(g), lambda: self.newest() > g,
+                               self.timeout_s)
+        try:
+            dist.init_process_group("gloo", store=store, rank=self.rank,
+                                    world_size=len(self.members),
+                                    timeout=form if set_timeout else pg_timeout)
+        except Exception:
+            if self.newest() > g:
+                return False
+            raise
+        if set_timeout:
+            set_timeout(pg_timeout)
+        return True
+
+    def _at_door(self, g: int) -> bool:
+        """True once every member of generation ``g`` is at its door; False when a newer
+        generation was published meanwhile."""
+        self.store.set(door_key(g, self.me), "1")
+        others = [door_key(g, m) for m in self.members]
+        deadline = time.monotonic() + self.timeout_s
+        while not self.store.check(others):
+            if self.newest() > g:
+                return False
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"generation {g}: members {self.members} not all at the "
+                                   f"door within {self.timeout_s:.0f}s")
+            time.sleep(POLL_S)
+        return True

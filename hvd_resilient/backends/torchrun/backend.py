@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import gc
+import logging
 import os
 import socket
 from collections.abc import Callable
@@ -32,6 +33,8 @@ from hvd_resilient.backends.torchrun.collectives import TorchDistCollectives
 from hvd_resilient.backends.torchrun.state import TorchrunState
 from hvd_resilient.detect import Detectors
 from hvd_resilient.detect.silent_peers import SilentPeers
+
+logger = logging.getLogger(__name__)
 
 
 class TorchDistBackend(Backend):
@@ -86,10 +89,8 @@ class TorchDistBackend(Backend):
             from hvd_resilient.backends.torchrun import fsdp
 
             if self.deterministic and self.rank() == 0:
-                from hvd_resilient.log import get
-
-                get("determinism").warning("--deterministic does not cover FSDP's reductions "
-                                           "(docs/determinism.md)")
+                logger.warning("--deterministic does not cover FSDP's reductions "
+                               "(docs/determinism.md)")
             return fsdp.shard(model, optimizer, self.device), optimizer
         from torch.nn.parallel import DistributedDataParallel as DDP
 

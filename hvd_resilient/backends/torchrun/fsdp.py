@@ -15,15 +15,15 @@ Why the extra steps around `fully_shard`:
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 from torch import nn
 
 from hvd_resilient.errors import ConfigError
-from hvd_resilient.log import get
 
-log = get("fsdp")
+logger = logging.getLogger(__name__)
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -38,7 +38,7 @@ def require_torchrun(backend: str) -> None:
     if backend != "torchrun":
         raise ConfigError(
             f"config: fsdp needs the torchrun backend, this job runs on {backend} (launch it "
-            "with torchrun or `hvd-resilient run --backend torchrun`, or drop --fsdp / "
+            "with torchrun or `hvd-resilient run --launcher torchrun`, or drop --fsdp / "
             "HVD_RESILIENT_FSDP)"
         )
 
@@ -85,7 +85,7 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.devi
         except KeyError:
             raise ConfigError("fsdp: the optimizer holds tensors that are not parameters of "
                               "the model; build it from model.parameters()") from None
-    log.info("model sharded with FSDP2 over %d ranks (%d units)", dist.get_world_size(),
+    logger.info("model sharded with FSDP2 over %d ranks (%d units)", dist.get_world_size(),
              len(units) + 1)
     return model
 

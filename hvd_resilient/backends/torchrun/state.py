@@ -4,17 +4,17 @@ the last commit, or the durable checkpoint, which every rank reads on start."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from hvd_resilient.events import EventLog
-from hvd_resilient.log import get
 from hvd_resilient.state.agreement import Collectives
 from hvd_resilient.state.core import StateCore
 
-log = get("state")
+logger = logging.getLogger(__name__)
 
 
 class TorchDistState(StateCore):
@@ -64,7 +64,7 @@ class TorchrunState(TorchDistState):
         if self._collectives is not None and self._size() > 1:
             found = self._agree(self._collectives)
             if found.sent:
-                log.warning("sync: %s differed from rank 0's at start and were sent from it",
+                logger.warning("sync: %s differed from rank 0's at start and were sent from it",
                             ", ".join(found.sent))
         self._apply_start_rng()
         self._apply_lr_scaling()

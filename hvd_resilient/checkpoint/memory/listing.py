@@ -4,7 +4,7 @@ GB as on an empty one, and it never maps or copies what a writer may be recyclin
 
 A run's folder under the tier's root is its run key, ``<run_id>.<digest>[.<scope>]``, where
 ``digest`` is the first 8 hex digits of the sha256 of the run's ``checkpoint_url``
-(:attr:`hvd_resilient.training.memory_commits.MemoryCommits.run_key`). Run ids and scopes may
+(:attr:`hvd_resilient.training.memory_tier.MemoryCommits.run_key`). Run ids and scopes may
 hold dots themselves, so a folder belongs to a location when any dot-separated component
 after the first is that location's digest.
 """

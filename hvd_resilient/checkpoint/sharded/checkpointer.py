@@ -58,7 +58,7 @@ logger = logging.getLogger(__name__)
 _CHUNK = 8 << 20
 
 
-def one_line(e: BaseException) -> str:
+def first_failure(e: BaseException) -> str:
     """The first line of what went wrong; DCP wraps each rank's error with its traceback."""
     failures = getattr(e, "failures", None)
     if isinstance(failures, dict) and failures:
@@ -75,10 +75,10 @@ class ShardedCheckpointer:
         manager: the run's checkpoints (its store, retention and manifests).
         rank, world_size: this process and the group's size.
         group: a Gloo process group of all ranks, for DCP and for gathering file lists.
-        on_event: ``(name, fields)``; rank 0 emits ``checkpoint_saved`` (step, epoch, seconds:
-            from the end of the stall to the manifest, stall_seconds, bytes, url, layout,
-            shards), ``checkpoint_failed`` (step, error),
-            ``checkpoint_skipped`` (step, reason, url).
+        on_event: ``(name, fields)``; rank 0 emits ``checkpoint_saved`` (ckpt_step, epoch,
+            seconds: from the end of the stall to the manifest, stall_seconds, bytes, url,
+            layout, shards), ``checkpoint_failed`` (ckpt_step, error),
+            ``checkpoint_skipped`` (ckpt_step, reason, url).
         staging_dir: where shards are staged before upload and fetched for a load (default:
             the system temp dir). This rank's folder in it is named after ``name`` and the
             rank, and emptied here: what a killed predecessor left behind is not kept.
@@ -150,7 +150,7 @@ class ShardedCheckpointer:
             try:
                 self.manager.begin(step)
             except (StoreError, CheckpointError) as e:  # still take part in the collectives
-                error = f"rank 0: {one_line(e)}"  # (no manifest later); published: untouched
+                error = f"rank 0: {first_failure(e)}"  # (no manifest later); published: untouched
         stage = tempfile.mkdtemp(prefix=f"{step_dir(step)}-", dir=self.staging_dir)
         try:
             # No fsync: the staging copy is thrown away; durability comes from the store.
@@ -179,21 +179,21 @@ class ShardedCheckpointer:
             if not error:
                 entries = self._upload(stage, step, files)
         except Exception as e:  # gathered below: every rank must reach the gather
-            error = f"rank {self.rank}: {one_line(e)}"
+            error = f"rank {self.rank}: {first_failure(e)}"
         finally:
             shutil.rmtree(stage, ignore_errors=True)
         gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
         try:
             dist.gather_object((entries, error), gathered, dst=0, group=self.group)
         except Exception as e:
-            gathered, error = None, error or f"rank {self.rank}: gather failed: {one_line(e)}"
+            gathered, error = None, error or f"rank {self.rank}: gather failed: {first_failure(e)}"
             logger.warning("sharded checkpoint step %d: %s", step, error)
         if self.rank != 0:
             return
         errors = [err for _, err in gathered or [] if err] or ([error] if error else [])
         if errors:
             logger.warning("sharded checkpoint step %d failed: %s", step, errors[0])
-            emit(self.on_event, "checkpoint_failed", {"step": step, "error": errors[0]})
+            emit(self.on_event, "checkpoint_failed", {"ckpt_step": step, "error": errors[0]})
             return
         self._publish(step, epoch, gathered or [], run_id, meta, stall, t0)
 
@@ -222,11 +222,11 @@ class ShardedCheckpointer:
             info = self.manager.publish(step, epoch, self.world_size, entries, run_id=run_id,
                                         meta=meta, layout=SHARDED)
         except (StoreError, CheckpointError) as e:
-            emit(self.on_event, "checkpoint_failed", {"step": step, "error": one_line(e)})
+            emit(self.on_event, "checkpoint_failed", {"ckpt_step": step, "error": first_failure(e)})
             return
         self.last_saved = info
         emit(self.on_event, "checkpoint_saved", {
-            "step": step, "epoch": epoch, "seconds": round(time.perf_counter() - t0, 6),
+            "ckpt_step": step, "epoch": epoch, "seconds": round(time.perf_counter() - t0, 6),
             "stall_seconds": round(stall, 6), "bytes": info.total_bytes, "url": info.url,
             "layout": SHARDED, "shards": info.shard_files,
         })
@@ -234,7 +234,7 @@ class ShardedCheckpointer:
             try:
                 self.manager.prune()
             except StoreError as e:
-                logger.warning("pruning %s failed: %s", self.manager.url, one_line(e))
+                logger.warning("pruning %s failed: %s", self.manager.url, first_failure(e))
 
     def close(self, timeout: float | None = None) -> bool:
         """Waits for the upload in flight, then releases the checkpoints' process group (its
@@ -278,7 +278,7 @@ class ShardedCheckpointer:
                 try:
                     folder, problem = self._fetch(item, tmp)
                 except StoreError as e:  # gathered: the other ranks must not wait for us
-                    failure = f"rank {self.rank}: {one_line(e)}"
+                    failure = f"rank {self.rank}: {first_failure(e)}"
                 results = self._allgather((problem, failure))
                 failure = next((f for _, f in results if f), "")
                 if failure:
@@ -305,7 +305,7 @@ class ShardedCheckpointer:
             try:
                 box = [self.manager.scan()]
             except StoreError as e:  # broadcast: the other ranks must not wait for a listing
-                box = [f"listing {self.manager.url}: {one_line(e)}"]
+                box = [f"listing {self.manager.url}: {first_failure(e)}"]
         dist.broadcast_object_list(box, src=0, group=self.group)
         if isinstance(box[0], str):
             raise StoreError(box[0])
@@ -327,7 +327,7 @@ class ShardedCheckpointer:
         logger.warning("checkpoint %s is corrupt (%s); falling back to an older one",
                        step_dir(step), reason)
         emit(self.on_event, "checkpoint_skipped", {
-            "step": step, "reason": reason, "url": f"{self.manager.url}/{step_dir(step)}",
+            "ckpt_step": step, "reason": reason, "url": f"{self.manager.url}/{step_dir(step)}",
         })
 
     def _fetch(self, info: CheckpointInfo, tmp: str) -> tuple[str, str]:
@@ -366,7 +366,7 @@ class ShardedCheckpointer:
                      process_group=self.group)
         except Exception as e:
             raise CheckpointError(f"{info.prefix} cannot be loaded into this model: "
-                                  f"{one_line(e)}") from None
+                                  f"{first_failure(e)}") from None
 
 
 def check_fits(state: dict[str, Any], saved: Mapping[str, Any]) -> None:

@@ -30,7 +30,7 @@ from hvd_resilient.launch.horovod import patches
 from hvd_resilient.launch.horovod.options import DriverOptions
 from hvd_resilient.launch.horovod.patches.context import PatchContext, masked_line
 
-logger = logging.getLogger("hvd_resilient.launch")
+logger = logging.getLogger("hvd_resilient.launch.horovod.driver")  # not __name__: run as __main__
 
 
 def prepare(argv: list[str]) -> PatchContext:
@@ -53,8 +53,7 @@ def thread_excepthook(ctx: PatchContext) -> Callable[[threading.ExceptHookArgs],
         line = masked_line(args.exc_value or args.exc_type.__name__)
         ctx.thread_errors.append(line)
         name = getattr(args.thread, "name", "?")
-        logger.debug("launcher thread %s ended", name,
-                     exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
+        logger.debug("launcher thread %s ended", name, exc_info=args.exc_value)
         if line != ctx.discovery_error:
             print(f"hvd-resilient: launcher thread {name}: {line}", file=sys.stderr,
                   flush=True)

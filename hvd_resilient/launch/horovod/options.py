@@ -12,12 +12,15 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from hvd_resilient.backends.horovod import driver_kv
 from hvd_resilient.errors import LaunchError
 
 SLOT_HOSTS_ENV = "HVD_RESILIENT_SLOT_HOSTS"
 """`0`: blacklist whole hosts on a failure, as plain horovodrun (`--no-slot-hosts` sets it)."""
 STANDBY_ENV = "HVD_RESILIENT_STANDBY"
 """`0`: no standby workers; added hosts start cold at the reset."""
+WARM_POOL_ENV = "HVD_RESILIENT_WARM_POOL"
+"""`1`: a warm pool on the driver's machine forks its workers (`--warm-pool` sets it)."""
 INTERVAL_ENV = "HVD_RESILIENT_DISCOVERY_INTERVAL"
 """Seconds between runs of the discovery script (unset: Horovod's 1 s)."""
 RUN_DIR_ENV = "HVD_RESILIENT_RUN_DIR"
@@ -32,6 +35,8 @@ class DriverOptions:
     """Every slot its own host (`backends/horovod/slots.py`)."""
     standby: bool = True
     """Newcomers started ahead of the reset (`patches/standby.py`)."""
+    warm_pool: bool = False
+    """The standbys of this machine forked from a warm pool (`warm_pool_server.py`)."""
     discovery_interval_s: float | None = None
     """How often Horovod runs the discovery script; None keeps Horovod's 1 s."""
     run_dir: str = ""
@@ -40,7 +45,7 @@ class DriverOptions:
     """horovodrun's -p/--ssh-port, for killing a frozen remote worker."""
     ssh_identity: str | None = None
     """horovodrun's -i/--ssh-identity-file, likewise."""
-    standby_ready_timeout_s: float = 120.0
+    standby_ready_timeout_s: float = driver_kv.READY_TIMEOUT_S
     """How long a reset waits for a standby's warm-up before releasing it anyway."""
 
     @classmethod
@@ -52,6 +57,7 @@ class DriverOptions:
         port, identity = ssh_settings(argv or [])
         return cls(slot_hosts=env.get(SLOT_HOSTS_ENV, "1") != "0",
                    standby=env.get(STANDBY_ENV, "1") != "0",
+                   warm_pool=env.get(WARM_POOL_ENV, "0") == "1",
                    discovery_interval_s=_interval(env.get(INTERVAL_ENV, "")),
                    run_dir=env.get(RUN_DIR_ENV, ""), ssh_port=port, ssh_identity=identity)
 

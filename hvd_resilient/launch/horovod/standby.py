@@ -1,13 +1,16 @@
-"""A worker started ahead of time: imports done while the old world trains, then released.
+"""A worker started ahead of time: imports and set-up done while the old world trains.
 
 Horovod starts the workers of an added host (or a slot back from its cooldown) only after the
 running workers have stopped at a reset, so they sit idle for the newcomer's cold start (Python,
 torch, Horovod: 5-20 s). `launch.horovod.driver` starts the newcomer early through this module: it
-imports torch and Horovod, says it is ready through the driver's key-value store, and waits for
-the driver's go (given when the new world is formed, which the driver holds back until the
-standby is ready); only then does the training script run, in this same process, with its
-imports already paid for. Without a Horovod driver around (no
-rendezvous address), or when the command is not this Python, it just runs the command.
+imports torch and Horovod, then runs the training script in this same process at once, up to
+its first `hvd.init()`; there it says it is ready through the driver's key-value store and
+waits for the driver's go (given when the new world is formed, which the driver holds back
+until the standby is ready), takes its rank from it and initializes. The script's own set-up
+(data, model, loader) is then done too. Where a warm pool serves the machine
+(`warm_pool.py`), the standby is forked from it instead, its imports done before it was asked
+for. Without a Horovod driver around (no rendezvous address), or when the command is not this
+Python, it just runs the command.
 
     python -m hvd_resilient.launch.horovod.standby python train.py ARGS
 """
@@ -19,29 +22,17 @@ import runpy
 import shutil
 import sys
 import time
-import urllib.error
-import urllib.request
+from collections.abc import Callable
+from typing import Any
 
-READY = "hvd_resilient_standby_ready"
-GO = "hvd_resilient_standby_go"
+from hvd_resilient.backends.horovod.driver_kv import GO, READY, get, put, url
+from hvd_resilient.launch.horovod import warm_pool
+
 MAX_WAIT_S = 900.0  # a standby never released (its host left again) exits quietly
-
-
-def _url(scope: str, key: str) -> str:
-    addr = os.environ["HOROVOD_GLOO_RENDEZVOUS_ADDR"]
-    port = os.environ["HOROVOD_GLOO_RENDEZVOUS_PORT"]
-    return f"http://{addr}:{port}/{scope}/{key}"
-
-
-def _get(url: str) -> bytes | bool | None:
-    """The value; False when the driver says there is none; None when it does not answer."""
-    try:
-        with urllib.request.urlopen(url, timeout=5) as r:
-            return r.read()
-    except urllib.error.HTTPError:
-        return False
-    except (urllib.error.URLError, OSError):
-        return None
+READY_AGAIN_S = 0.2
+"""How often a waiting standby says READY again. The reset that takes it in starts with a
+rendezvous, which clears the driver's store, and the driver then waits for a READY before it
+releases the standby: with 1 s, that wait was part of every growth's stall (2.2 s measured)."""
 
 
 #: What the go carries: the slot's place in the world the standby is released into.
@@ -65,19 +56,9 @@ def apply_go(value: bytes) -> None:
     os.environ.update(zip(SLOT_ENV, fields, strict=True))
 
 
-def _put(url: str) -> None:
-    """PUTs "1"; a driver that does not answer is noticed by the wait loop, not here."""
-    req = urllib.request.Request(url, data=b"1", method="PUT")
-    try:
-        with urllib.request.urlopen(req, timeout=5):
-            pass
-    except (urllib.error.URLError, OSError):
-        pass
-
-
 def same_python(exe: str) -> bool:
     found = shutil.which(exe)
-    return bool(found) and os.path.realpath(found) == os.path.realpath(sys.executable)
+    return found is not None and os.path.realpath(found) == os.path.realpath(sys.executable)
 
 
 def runnable_here(cmd: list[str]) -> bool:
@@ -100,38 +81,75 @@ def run_in_process(cmd: list[str]) -> None:
         runpy.run_path(args[0], run_name="__main__")
 
 
-def main() -> None:
-    cmd = sys.argv[1:]
-    if not cmd:
-        sys.exit("usage: python -m hvd_resilient.launch.horovod.standby COMMAND [ARGS]")
-    if "HOROVOD_GLOO_RENDEZVOUS_ADDR" not in os.environ or not runnable_here(cmd):
-        os.execvp(cmd[0], cmd)
-    key = f"{os.environ['HOROVOD_HOSTNAME']}:{os.environ['HOROVOD_LOCAL_RANK']}"
-    # The cold start this module exists to hide. torch._dynamo too: every optimizer's first
-    # construction imports it (torch wraps optimizer methods in a lazy `_disable_dynamo`), 1 s
-    # idle and 2-5 s on a busy host, after the reset, while the whole old world waits.
+def warm_up() -> None:
+    """The cold start this module exists to hide. torch._dynamo too: every optimizer's first
+    construction imports it (torch wraps optimizer methods in a lazy `_disable_dynamo`), 1 s
+    idle and 2-5 s on a busy host, after the reset, while the whole old world waits."""
     import horovod.torch  # noqa: F401
     import torch  # noqa: F401
     import torch._dynamo  # noqa: F401
 
     import hvd_resilient.backends.horovod.run  # noqa: F401 - and ours, which every training script imports
 
-    go = _url(GO, key)
+
+def released_run(cmd: list[str]) -> None:
+    """Runs `cmd` in this process at once; its first `hvd.init()` waits for the release.
+
+    The script's own set-up before it initializes Horovod (arguments, data, model, loader
+    workers: 1.25 s for examples/gpt.py here) runs while the old world trains, and READY means
+    "at hvd.init": had it run after the release, the whole new world would have waited for it
+    inside the reset."""
+    hold_init_until(lambda: wait_for_release(
+        f"{os.environ['HOROVOD_HOSTNAME']}:{os.environ['HOROVOD_LOCAL_RANK']}"))
+    run_in_process(cmd)
+
+
+def wait_for_release(key: str) -> None:
+    """Says READY until the driver's go, then takes rank and sizes from it."""
+    go = url(GO, key)
     deadline = time.monotonic() + MAX_WAIT_S
     silent_since = None
     said_ready = 0.0
-    while not isinstance(answer := _get(go), bytes):
+    while not isinstance(answer := get(go), bytes):
         now = time.monotonic()
-        if now - said_ready > 1.0:
+        if now - said_ready > READY_AGAIN_S:
             # again and again: every rendezvous clears the driver's store
-            _put(_url(READY, key))
+            put(url(READY, key))
             said_ready = now
         silent_since = (silent_since or now) if answer is None else None
         if now > deadline or (silent_since is not None and now - silent_since > 5.0):
             sys.exit(0)  # never released, or the driver is gone
         time.sleep(0.05)
     apply_go(answer)
-    run_in_process(cmd)
+
+
+def hold_init_until(released: Callable[[], None]) -> None:
+    """Horovod's init (every path to it: `hvd.init`, the elastic reset) calls `released()`
+    the first time, before it reads rank and sizes from the environment."""
+    from horovod.common.basics import HorovodBasics
+
+    from hvd_resilient.backends.horovod import compat
+
+    original = HorovodBasics.init
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if HorovodBasics.init is init:  # the first call: this process's release
+            released()
+            HorovodBasics.init = original  # type: ignore[method-assign]
+        return original(self, *args, **kwargs)
+
+    compat.replace(HorovodBasics, "init", init)
+
+
+def main() -> None:
+    cmd = sys.argv[1:]
+    if not cmd:
+        sys.exit("usage: python -m hvd_resilient.launch.horovod.standby COMMAND [ARGS]")
+    if "HOROVOD_GLOO_RENDEZVOUS_ADDR" not in os.environ or not runnable_here(cmd):
+        os.execvp(cmd[0], cmd)
+    warm_pool.run_in_pool(cmd)  # exits when a pool on this machine forked the standby
+    warm_up()
+    released_run(cmd)
 
 
 if __name__ == "__main__":

@@ -47,12 +47,12 @@ CHECKPOINT_FIT: dict[str, tuple[float, float]] = {
 }
 
 
-KILL_RUNS = ("measured: bench/results/recovery-failures.json + recovery-idle.json (medians; "
-             "the simulation draws from the samples)")
-OURS_DETECT = (0.132, 0.284, 0.131, 0.126, 0.059, 0.096, 0.073, 0.063, 0.1, 0.086, 0.089, 0.083,
-               0.093, 0.099, 0.129, 0.081, 0.102, 0.087)
-OURS_RECOVER = (0.757, 6.499, 0.576, 0.934, 0.581, 0.542, 0.268, 0.326, 0.469, 0.22, 0.266,
-                0.534, 0.185, 0.329, 0.647, 0.312, 0.352, 0.304)
+KILL_RUNS = ("measured: bench/results/recovery-random-kill.json, random_kill_1host (20 kills "
+             "of a random worker at a random moment, idle; the simulation draws from the samples)")
+OURS_DETECT = (0.131, 0.201, 0.102, 0.165, 0.18, 0.125, 0.157, 0.246, 0.266, 0.161, 0.186, 0.102,
+               0.178, 0.198, 0.175, 0.191, 0.188, 0.283, 0.214, 0.191)
+OURS_RECOVER = (0.322, 0.499, 0.327, 0.282, 0.267, 0.234, 0.372, 0.639, 0.649, 0.374, 0.577, 0.365,
+                0.304, 0.527, 0.604, 0.264, 0.263, 0.649, 0.597, 0.407)
 VANILLA_RECOVER = (0.272, 0.884, 1.05, 0.294, 0.306, 0.174, 0.16, 0.181)
 
 
@@ -101,20 +101,21 @@ PARAMS: tuple[Param, ...] = (
           "published: PyTorch's default NCCL process-group timeout, 10 minutes "
           "(pytorch/pytorch#110947)"),
     # -- this project's stack (Horovod backend) --
-    Param("ours_detect_s", 0.0945, "s", "ours: fault -> the first survivor notices (hang-up "
-          "watch)", f"{KILL_RUNS}, 18 kill runs", samples=OURS_DETECT),
-    Param("ours_recover_s", 0.4105, "s", "ours: noticed -> training again at N-1 (reset + sync "
-          "from the in-memory commit)", f"{KILL_RUNS}, 18 kill runs (first step - detect)",
+    Param("ours_detect_s", 0.183, "s", "ours: fault -> the first survivor notices (hang-up "
+          "watch)", KILL_RUNS, samples=OURS_DETECT),
+    Param("ours_recover_s", 0.373, "s", "ours: noticed -> training again at N-1 (reset + sync "
+          "from the in-memory commit)", f"{KILL_RUNS} (first step - detect)",
           samples=OURS_RECOVER),
-    Param("ours_join_stall_s", 0.649, "s", "ours: stall of the running job when a host joins "
-          "(standby workers)", "measured: bench/results/recovery.json host_added, median of 5",
-          samples=(0.576, 0.769, 0.663, 0.649, 0.633)),
+    Param("ours_join_stall_s", 1.776, "s", "ours: stall of the running job when a host joins "
+          "(standby workers, the reset held until they are warm)",
+          "measured: bench/results/recovery-scale-up.json host_added, median of 5",
+          samples=(2.378, 1.424, 1.776, 2.303, 1.481)),
     Param("ours_leave_stall_s", 0.322, "s", "ours: stall when a host leaves on notice "
           "(removed via discovery)", "measured: recovery.json host_removed, median of 5",
           samples=(0.259, 0.26, 0.381, 0.412, 0.322)),
-    Param("ours_rejoin_s", 30.8, "s", "ours: a crashed worker's host back in the job (blacklist "
+    Param("ours_rejoin_s", 42.5, "s", "ours: a crashed worker's host back in the job (blacklist "
           "cooldown + start)", "project default cooldown 10-30 s (mean 20 s) + measured "
-          "newcomer start 10.8 s (recovery.json host_added)"),
+          "newcomer's first step 22.5 s (recovery-scale-up.json host_added)"),
     Param("ours_silent_detect_s", 1.5, "s", "ours (Horovod): a frozen or cut-off peer found by "
           "the peer heartbeats", "project default: recovery.heartbeat_timeout_seconds; "
           "measured: detect 1.50 s (bench/results/recovery-silent.json, partition.json)"),
@@ -136,8 +137,9 @@ PARAMS: tuple[Param, ...] = (
           "median"),
     # -- vanilla Horovod Elastic --
     Param("vanilla_recover_s", 0.24, "s", "vanilla Horovod: after the Gloo timeout -> "
-          "training again", f"{KILL_RUNS}, the 8 vanilla kill runs that recovered (first step "
-          "- 30 s timeout)", samples=VANILLA_RECOVER),
+          "training again", "measured: bench/results/recovery-failures.json + "
+          "recovery-idle.json, the 8 vanilla kill runs that recovered (first step - 30 s "
+          "timeout)", samples=VANILLA_RECOVER),
     Param("vanilla_rejoin_s", 600.0, "s", "vanilla Horovod: a failed worker's host back "
           "(without --blacklist-cooldown-range Horovod blacklists it for good: a spare comes "
           "through discovery)", "assumption: as replace_s"),

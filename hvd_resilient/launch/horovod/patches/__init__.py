@@ -23,13 +23,15 @@ from hvd_resilient.launch.horovod.patches import (
     discovery_check,
     discovery_interval,
     evict,
+    fast_middleman,
     fatal_stop,
+    leaving,
     slot_hosts,
     standby,
 )
 from hvd_resilient.launch.horovod.patches.context import PatchContext
 
-logger = logging.getLogger("hvd_resilient.launch")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,12 @@ ORDER: tuple[Patch, ...] = (
     Patch("standby", standby.install, lambda o: o.standby),
     # Wraps _start_worker_processes: the watch starts with the first workers.
     Patch("evict", evict.install),
+    # Replaces safe_shell_exec's view of multiprocessing: touched by nothing else; first
+    # launch after it.
+    Patch("fast_middleman", fast_middleman.install),
+    # Wraps _notify_workers_host_changes, which the standby replaced by its own wrapper
+    # (either order works: the next world's slots are written before anything is told).
+    Patch("leaving", leaving.install),
 )
 
 

@@ -26,7 +26,7 @@ from hvd_resilient.backends.horovod import compat, slots
 from hvd_resilient.backends.horovod.lost_slots import LOST_SCOPE
 from hvd_resilient.launch.horovod.patches.context import PatchContext
 
-logger = logging.getLogger("hvd_resilient.launch")
+logger = logging.getLogger(__name__)
 
 POLL_S = 0.1
 REMOTE_KILL_TIMEOUT_S = 10.0

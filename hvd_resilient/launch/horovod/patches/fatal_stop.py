@@ -20,7 +20,7 @@ from hvd_resilient.backends.horovod import compat
 from hvd_resilient.errors import FATAL_EXIT_CODE
 from hvd_resilient.launch.horovod.patches.context import PatchContext
 
-logger = logging.getLogger("hvd_resilient.launch")
+logger = logging.getLogger(__name__)
 
 
 def stop_on_fatal(ctx: PatchContext, handle_exit: Callable[..., None]) -> Callable[..., None]:

@@ -13,12 +13,17 @@ from driver."). Holding the notice back until the newcomers were warm (the first
 the old world training through the warm-up, but left rank 0 blind for 5-20 s, and with it
 every script that acts on the notice.
 
-The reset that follows (at the next commit) waits for the newcomers' warm-up, and where it
-waits matters: inside Horovod's rendezvous barrier (the old workers' request for their new
-rank, which the driver answers when it likes), not in the new world's Gloo connect, which
-gives up after the Gloo timeout and aborts every old worker with it (seen here: a newcomer
-still importing 30 s later, on 2 cores at load 8, cost the whole job). So the release of a
-standby into the new world waits until it said it is ready (imports done), it died (its slot
+Rank 0 acts on an addition only once the newcomers are warm: the driver lists its unreleased
+standbys in its store (`publish`), and rank 0 holds the reset back while any of them has not
+said READY (`backends/horovod/added_hosts.py`), so the old world trains on through their cold
+start. A removal is never held. Should a reset come while a standby is still warming (a failure
+in between, the hold's timeout), it waits for the warm-up, and where it waits matters:
+inside Horovod's rendezvous barrier (the old workers' request for their new rank, which the
+driver answers when it likes), not in the new world's Gloo connect, which gives up after the
+Gloo timeout and aborts every old worker with it (seen here: a newcomer still importing 30 s
+later, on 2 cores at load 8, cost the whole job). So the release of a
+standby into the new world waits until it said it is ready (imports and the script's set-up
+done: it waits at its first `hvd.init()`), it died (its slot
 then starts afresh), the ready timeout passed, or the job stopped; only then is the new world
 formed, and its Gloo connect waits for warm processes only. A slot that joins at a reset
 without having been started ahead (back from its cooldown, or replacing a standby that died)
@@ -28,16 +33,17 @@ is started as a standby at that moment and waited for the same way.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from hvd_resilient.backends.horovod import compat
+from hvd_resilient.backends.horovod import compat, driver_kv
 from hvd_resilient.launch.horovod import standby as standby_worker
 from hvd_resilient.launch.horovod.patches.context import PatchContext
 
-logger = logging.getLogger("hvd_resilient.launch")
+logger = logging.getLogger(__name__)
 
 
 def slot_key(slot: Any) -> str:
@@ -86,11 +92,24 @@ class Standby:
         self._notify(driver, current_hosts, update_res)
 
     def start_standby(self, driver: Any, s: Any) -> None:
-        compat.kv_set(driver, standby_worker.READY, slot_key(s), None)
-        compat.kv_set(driver, standby_worker.GO, slot_key(s), None)
+        compat.kv_set(driver, driver_kv.READY, slot_key(s), None)
+        compat.kv_set(driver, driver_kv.GO, slot_key(s), None)
         with self.lock:
             standby_table(driver)[slot_key(s)] = s
+        self.publish(driver)
         driver._start_worker_process(s)
+
+    def publish(self, driver: Any) -> None:
+        """Lists the unreleased standbys in the store, where rank 0 reads them: an added host
+        is acted on (the commit, the reset) once they are warm, so the old world trains on
+        through their cold start instead of waiting for it in the reset. Written again after
+        each rendezvous, which clears the store."""
+        if not self.wrapped:
+            return
+        with self.lock:
+            listed = ",".join(sorted(standby_table(driver)))
+        compat.kv_set(driver, driver_kv.WARMING, driver_kv.WARMING_KEY,
+                      listed.encode() if listed else None)
 
     def wait_until_warm(self, driver: Any, slots: dict[str, Any]) -> None:
         """Runs in the reset's barrier action: the old workers wait in their rendezvous
@@ -103,7 +122,7 @@ class Standby:
         replaced: set[str] = set()
         keys = list(slots)
         while not driver.finished():
-            ready = compat.kv_get(driver, standby_worker.READY)
+            ready = compat.kv_get(driver, driver_kv.READY)
             with self.lock:
                 died = [k for k in keys if k not in standby and k not in replaced]
             for k in died if self.wrapped else ():
@@ -140,11 +159,12 @@ class Standby:
             warming = {slot_key(s): s for s in pending_slots if slot_key(s) in standby}
         self.wait_until_warm(driver, warming)
         for s in pending_slots:
-            compat.kv_set(driver, standby_worker.GO, slot_key(s), standby_worker.slot_env(s))
+            compat.kv_set(driver, driver_kv.GO, slot_key(s), standby_worker.slot_env(s))
             with self.lock:
                 released = standby.pop(slot_key(s), None) is not None
             if not released:
                 driver._start_worker_process(s)
+        self.publish(driver)
 
     def handle_worker_exit(self, driver: Any, slot: Any, exit_code: int,
                            timestamp: Any) -> None:
@@ -158,6 +178,7 @@ class Standby:
             if unreleased:
                 del standby[slot_key(slot)]
         if unreleased:
+            self.publish(driver)
             logger.warning("standby worker for %s exited (code %s) before its release; the "
                            "slot will start a fresh worker at the reset", slot_key(slot),
                            exit_code)
@@ -171,7 +192,31 @@ class Standby:
         if cmd and standby_worker.same_python(cmd[0]):
             args.command = [cmd[0], "-m", "hvd_resilient.launch.horovod.standby", *cmd]
             self.wrapped = True
-        return self._run_elastic(args)
+        pool = self.start_pool(cmd) if self.wrapped and self.ctx.options.warm_pool else None
+        try:
+            return self._run_elastic(args)
+        finally:
+            if pool is not None:
+                pool.stop()
+
+    def start_pool(self, cmd: list[str]) -> Any:
+        """The warm pool of this machine, before any worker starts: every local worker is
+        forked from it, the first ones and those that join later alike (the first launch
+        waits for its imports instead of doing them in each worker)."""
+        from hvd_resilient.launch.horovod import warm_pool, warm_pool_server
+
+        t0 = time.monotonic()
+        pool = warm_pool_server.Started(cmd)
+        if not pool.wait_ready():
+            logger.warning("warm pool did not start (exit code %s); workers start cold",
+                           pool.proc.poll())
+            pool.stop()
+            return None
+        os.environ[warm_pool.SOCKET_ENV] = pool.path  # the workers' environment is this one
+        seconds = time.monotonic() - t0
+        logger.info("warm pool ready after %.1f s: this machine's workers fork from it", seconds)
+        self.ctx.emit("warm_pool_ready", seconds=round(seconds, 3))
+        return pool
 
 
 def _method(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -24,6 +24,7 @@ what each rank needs, and remains the fallback.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import re
 import shutil
@@ -31,14 +32,13 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-from hvd_resilient import log
 from hvd_resilient.checkpoint.memory import SegmentDir, SegmentError
 from hvd_resilient.checkpoint.memory.listing import subdirs
 from hvd_resilient.checkpoint.split import join_state
 from hvd_resilient.checkpoint.tree import map_leaves
-from hvd_resilient.training.memory_commits import Found, MemoryCommits
+from hvd_resilient.training.memory_tier import Found, MemoryCommits
 
-logger = log.get("memory")
+logger = logging.getLogger(__name__)
 
 _OWNER = re.compile(r"^shard-(\d{5})-of-(\d{5})$")
 
@@ -160,7 +160,7 @@ class ShardedMemoryCommits(MemoryCommits):
         try:
             push(self._ring, self.run_key, self.own.owner, info.step, self.own.path)
         except SegmentError as e:
-            self.events.emit("memory_push_failed", at_step=info.step, error=str(e))
+            self.events.emit("memory_push_failed", ckpt_step=info.step, error=str(e))
 
     def _next_host(self) -> tuple[str, int] | None:
         """The next host's segment server in the ring of hosts (None: one host only). A

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import queue
 import shutil
@@ -32,7 +33,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hvd_resilient import log
 from hvd_resilient.backends.base import Backend
 from hvd_resilient.checkpoint.memory import SegmentDir, SegmentError, SegmentInfo, TierFull
 from hvd_resilient.checkpoint.memory.listing import url_digest
@@ -40,7 +40,7 @@ from hvd_resilient.config import TrainConfig
 from hvd_resilient.events import EventLog
 from hvd_resilient.state import rng
 
-logger = log.get("memory")
+logger = logging.getLogger(__name__)
 
 OWNER = "replicated"
 
@@ -64,12 +64,12 @@ class MemoryCommits:
 
     The public methods and the commit hook own the guards, the collectives' order, the bound
     on every wait for the background thread, the events and the log lines; the sharded form
-    (`memory_sharded.ShardedMemoryCommits`) fills in ``_commit_target``, ``_holdings``,
+    (`memory_tier_sharded.ShardedMemoryCommits`) fills in ``_commit_target``, ``_holdings``,
     ``_candidates``, ``_after_finish`` and ``_before_discard``.
     """
 
     sharded = False
-    """Replicated state here; `memory_sharded.ShardedMemoryCommits` keeps FSDP shards."""
+    """Replicated state here; `memory_tier_sharded.ShardedMemoryCommits` keeps FSDP shards."""
     finish_wait_seconds = 30.0
     """The longest anything waits for the background thread to finish a segment (checksums,
     manifest; sharded, the copy to a peer): a commit inside the step, then kept in the process
@@ -179,7 +179,7 @@ class MemoryCommits:
         if not self._idle.wait(self.finish_wait_seconds):  # the previous segment (rarely)
             reason = (f"the previous segment was still being finished after "
                       f"{self.finish_wait_seconds:g}s; this commit is kept in the process only")
-            self.events.emit("memory_commit_failed", at_step=step, error=reason)
+            self.events.emit("memory_commit_failed", ckpt_step=step, error=reason)
             logger.warning("memory tier: %s", reason)
             return
         meta = {"epoch": self.state.epoch, "world_size": self.backend.size()}
@@ -193,7 +193,8 @@ class MemoryCommits:
                                e)
             return
         except OSError as e:
-            self.events.emit("memory_commit_failed", error=f"{type(e).__name__}: {e}")
+            self.events.emit("memory_commit_failed", ckpt_step=step,
+                             error=f"{type(e).__name__}: {e}")
             return
         self._full = False
         self._idle.clear()
@@ -212,12 +213,12 @@ class MemoryCommits:
             t0 = time.perf_counter()
             try:
                 info = folder.finish(pending)
-                self.events.emit("memory_commit", at_step=info.step, bytes=info.total_bytes,
+                self.events.emit("memory_commit", ckpt_step=info.step, bytes=info.total_bytes,
                                  stall_seconds=round(pending.stall_seconds, 4),
                                  seconds=round(time.perf_counter() - t0, 4))
                 self._after_finish(info)
             except Exception as e:
-                self.events.emit("memory_commit_failed", at_step=pending.step,
+                self.events.emit("memory_commit_failed", ckpt_step=pending.step,
                                  error=f"{type(e).__name__}: {e}")
             finally:
                 self._idle.set()
@@ -268,7 +269,7 @@ class MemoryCommits:
             return None
 
     def _skipped(self, step: int, reason: str) -> None:
-        self.events.emit("checkpoint_skipped", tier="memory", at_step=step, reason=reason)
+        self.events.emit("checkpoint_skipped", tier="memory", ckpt_step=step, reason=reason)
         logger.warning("memory copy of step %d skipped: %s", step, reason)
 
     def _holdings(self, durable_step: int) -> dict[str, Any]:
