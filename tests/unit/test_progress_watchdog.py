@@ -223,6 +223,24 @@ def test_when_every_peer_is_silent_the_probe_decides_cut_off():
     assert verdicts == [("cut_off", [1])]
 
 
+def test_peers_that_fall_silent_together_are_judged_together():
+    """A host whose link goes down last heard its peers up to a ping interval apart; judged
+    on the first to cross the timeout, it blamed that one peer instead of asking whether it was
+    itself cut off (the partition benchmark's cut-off worker trained on, 1 run in 5)."""
+    verdicts: list = []
+    me = _beat(0.5, verdicts, cut_off=True)
+    first, second = _mute(), _mute()
+    me.arm(0, [heartbeat.Peer(0, ("127.0.0.1", me.port), "m", 1),
+               heartbeat.Peer(1, first.getsockname(), "m", 2),
+               heartbeat.Peer(2, second.getsockname(), "m", 3)])
+    with me._lock:
+        me._last[2] -= 0.08  # rank 1 last heard 0.08 s (under two 0.05 s intervals) earlier
+    deadline = time.monotonic() + 5
+    while not verdicts and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert verdicts == [("cut_off", [1, 2])]
+
+
 def test_a_silent_peer_that_runs_on_this_machine_is_spared_a_stopped_one_is_not():
     """Silence from a process here that is not stopped is CPU starvation, not a freeze."""
     import signal
