@@ -143,6 +143,9 @@ class RecoveryOptions:
     heartbeat_timeout_seconds: float = 1.5
     """A peer silent this long is frozen or cut off and is evicted (0: no heartbeats; such
     failures then wait for the Gloo or process-group timeout)."""
+    generation_timeout_seconds: float = 120.0
+    """inplace: seconds a member waits for the next generation after a fault; a wait on
+    members busy in a declared section (an evaluation) lasts as long as they are."""
     host_check_every: int = 1
     """Horovod elastic: every N steps the ranks ask whether discovery changed the hosts (one
     one-element broadcast), so that a scale change waits for no commit (0: only at commits)."""
@@ -154,7 +157,8 @@ class RecoveryOptions:
                  self.pg_timeout_seconds)
         for name in ("progress_timeout_seconds", "heartbeat_timeout_seconds"):
             _require(getattr(self, name) >= 0, f"recovery_{name}", ">= 0", getattr(self, name))
-        for name in ("progress_floor_seconds", "progress_factor", "first_step_seconds"):
+        for name in ("progress_floor_seconds", "progress_factor", "first_step_seconds",
+                     "generation_timeout_seconds"):
             _require(getattr(self, name) > 0, f"recovery_{name}", "> 0", getattr(self, name))
         _require(self.heartbeat_timeout_seconds in (0, 0.0) or
                  self.heartbeat_timeout_seconds >= 0.5, "recovery_heartbeat_timeout_seconds",

@@ -42,6 +42,7 @@ def _inplace(*, fsdp: bool, recovery: RecoveryOptions, deterministic: bool) -> B
         raise ConfigError("--fsdp is not supported by the inplace backend yet; use torchrun")
     return InPlaceBackend(pg_timeout_seconds=recovery.pg_timeout_seconds,
                           heartbeat_timeout_s=recovery.heartbeat_timeout_seconds,
+                          generation_timeout_s=recovery.generation_timeout_seconds,
                           deterministic=deterministic)
 
 

@@ -30,14 +30,13 @@ import torch.distributed as dist
 from hvd_resilient import log
 from hvd_resilient.backends.inplace.membership import (
     AGENT_ENV,
-    BUSY_FRESH_S,
     MEMBER_ENV,
     PREFIX,
-    busy_key,
     door_key,
     evict_key,
     formed_key,
     gen_key,
+    is_busy,
     ready_key,
     want_key,
 )
@@ -168,13 +167,7 @@ class Agent:
         return None
 
     def _busy(self, m: int) -> bool:
-        key = busy_key(m)
-        if not self.store.check([key]):
-            return False
-        try:
-            return time.time() - float(self.store.get(key)) < BUSY_FRESH_S
-        except ValueError:
-            return False
+        return is_busy(self.store, m)
 
     def _ready(self) -> list[int]:
         return [m for m in self.alive if m not in self.members

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -35,6 +36,8 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from hvd_resilient.backends import INPLACE_AGENT_ENV
+
+logger = logging.getLogger(__name__)
 
 PREFIX = "hvd_resilient/inplace/"
 AGENT_ENV = INPLACE_AGENT_ENV
@@ -74,6 +77,17 @@ BUSY_FRESH_S = 2.0
 """A `busy/<member>` time older than this is not renewed any more: its member left its
 section (then it asks at its next collective) or stopped running Python (frozen, or stuck
 holding the interpreter lock), and the last call applies to it again."""
+
+
+def is_busy(store: Any, member: int) -> bool:
+    """True while ``member`` renews its `busy_key` (it is inside a declared section)."""
+    key = busy_key(member)
+    if not store.check([key]):
+        return False
+    try:
+        return time.time() - float(store.get(key)) < BUSY_FRESH_S
+    except ValueError:
+        return False
 
 
 def agent_store(env: dict[str, str], timeout_s: float) -> dist.TCPStore:
@@ -162,6 +176,7 @@ class Membership:
         self.generation = -1
         self.members: list[int] = []
         self.announced_at: float | None = None
+        self._said_busy = False
 
     def expect_to_join(self) -> bool:
         """True for a worker the newest generation does not hold (the agent started it in
@@ -200,8 +215,22 @@ class Membership:
                                  f"{self.me}")
                 g = newest
             if time.monotonic() > deadline:
-                raise TimeoutError(f"no generation after {g} within {self.timeout_s:.0f}s")
+                if not self._others_busy():
+                    raise TimeoutError(f"no generation after {g} within {self.timeout_s:.0f}s")
+                deadline = time.monotonic() + BUSY_FRESH_S
             time.sleep(POLL_S)
+
+    def _others_busy(self) -> bool:
+        """A member inside a declared section (rank 0 alone in an evaluation, say) asks for
+        the next generation only when it leaves it, and the agent waits for it: so does this
+        one, however long the section (its watchdog ends a member that overruns its budget),
+        instead of giving up at its own timeout and ending a job that was only waiting."""
+        busy = [m for m in self.members if m != self.me and is_busy(self.store, m)]
+        if busy and not self._said_busy:
+            logger.warning("waiting past %.0fs for the next generation: member(s) %s busy in a "
+                        "declared section", self.timeout_s, ", ".join(map(str, busy)))
+        self._said_busy = bool(busy)
+        return bool(busy)
 
     def report_fault(self, g: int) -> None:
         """Generation ``g`` failed here: this member asks to be in the next one."""
