@@ -414,8 +414,7 @@ def docs_from_source(cls: type) -> dict[str, str]:
         return out
     body = tree.body[0].body  # type: ignore[attr-defined]
     for a, b in zip(body, body[1:], strict=False):
-        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(
-            getattr(b, "value", None), ast.Constant
-        ):
-            out[a.target.id] = " ".join(str(b.value.value).split())  # type: ignore[union-attr]
+        if (isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name)
+                and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)):
+            out[a.target.id] = " ".join(str(b.value.value).split())
     return out

@@ -666,7 +666,9 @@ class ElasticLoader:
         return DataLoader(
             fetch, batch_sampler=feed, num_workers=o.num_workers,  # type: ignore[arg-type]
             prefetch_factor=o.prefetch_factor, pin_memory=o.pin_memory,
-            persistent_workers=False, collate_fn=_passthrough,
+            # torch types collate_fn as taking a list of samples; with __getitems__ it gets
+            # what that returns (a LoadedBatch)
+            persistent_workers=False, collate_fn=_passthrough,  # type: ignore[arg-type]
             worker_init_fn=functools.partial(_worker_init, setup=self._worker_setup),
             # its own generator: creating the iterator must not draw from the global stream
             generator=torch.Generator().manual_seed(self.seed),

@@ -161,7 +161,9 @@ def list_pods(cfg: ApiConfig, selector: str, timeout: Callable[[], float]) -> li
         if not isinstance(items, list):
             raise TransientDiscoveryError("API server answer has no 'items' list")
         pods.extend(item for item in items if isinstance(item, dict))
-        meta = page.get("metadata") if isinstance(page.get("metadata"), dict) else {}
+        meta = page.get("metadata")
+        if not isinstance(meta, dict):
+            meta = {}
         cont = meta.get("continue") or ""
         if not cont:
             return pods

@@ -122,12 +122,12 @@ class EventTally:
             self._detecting(ts, "hosts_changed")
         elif kind == "reset" and rank0:
             # One rank-0 reset per recovery: the new world's rank 0 writes it.
-            p, self._pending = self._pending, None
-            cause = p["cause"] if p else "failure"
+            pending, self._pending = self._pending, None
+            cause = pending["cause"] if pending else "failure"
             self.resets[cause] += 1
             if cause == "failure":
-                self.failures[_failure_class(p["classes"] if p else set())] += 1
-            detected = p["ts"] if p else ts - _num(e.get("seconds"))
+                self.failures[_failure_class(pending["classes"] if pending else set())] += 1
+            detected = pending["ts"] if pending else ts - _num(e.get("seconds"))
             self._awaiting = (detected, ts)
         elif kind == "sync" and rank0 and self._awaiting:
             self.recovery_s.append(max(0.0, ts - self._awaiting[0]))

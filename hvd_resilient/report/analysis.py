@@ -237,7 +237,8 @@ def merged_spans(intervals: list[Interval], categories: tuple[str, ...]) -> list
 
 def _elastic_failure(ep: Episode, t0: float) -> Failure:
     detect = ep.detected_ts - ep.last_progress_ts
-    restore = (ep.resumed_ts - ep.reset_ts) if ep.recovered and ep.resumed_ts else None
+    # ep.recovered is ep.reset_ts is not None, spelled out so the type checker sees it
+    restore = (ep.resumed_ts - ep.reset_ts) if ep.reset_ts is not None and ep.resumed_ts else None
     total = (ep.resumed_ts - ep.last_progress_ts) if ep.recovered and ep.resumed_ts else None
     return Failure(
         at=ep.detected_ts - t0, kind="elastic" if ep.recovered else "unrecovered",
@@ -362,6 +363,11 @@ def stragglers_of(events: list[Event], t0: float) -> list[dict[str, Any]]:
     return out
 
 
+def _list_or_empty(e: Event, key: str) -> list[Any]:
+    v = e.get(key)
+    return v if isinstance(v, list) else []
+
+
 def step_times_of(events: list[Event], t0: float) -> dict[str, Any] | None:
     """How close the run came to a straggler report, and what a step cost, per window."""
     windows = [e for e in events if e["event"] == "step_times" and e.get("rank") == 0]
@@ -372,7 +378,7 @@ def step_times_of(events: list[Event], t0: float) -> dict[str, Any] | None:
     waits: list[float] = []
     judged = 0
     for e in windows:
-        ratios, comp, wait = (e.get(k) if isinstance(e.get(k), list) else [] for k in
+        ratios, comp, wait = (_list_or_empty(e, k) for k in
                               ("ratios", "compute_seconds", "wait_seconds"))
         computes += [float(x) for x in comp if is_num(x)]
         waits += [float(x) for x in wait if is_num(x)]

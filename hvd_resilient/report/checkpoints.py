@@ -15,7 +15,7 @@ import statistics
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from hvd_resilient.events import ckpt_step
 from hvd_resilient.report.timeline import Event
@@ -56,7 +56,8 @@ class YoungDaly:
     """Failures that needed the durable checkpoint; in-process ones only need the last commit."""
 
 
-def is_num(v: Any) -> bool:
+def is_num(v: Any) -> TypeGuard[int | float]:
+    """A finite int or float (not a bool)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 

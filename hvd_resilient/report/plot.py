@@ -85,6 +85,7 @@ def write_png(r: Report, path: str | Path) -> Path:
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
+    from matplotlib.artist import Artist
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
@@ -147,7 +148,7 @@ def write_png(r: Report, path: str | Path) -> Path:
                                   xycoords=("data", "axes fraction"), va="top", fontsize=8,
                                   color="#d62828")
 
-        legend = []
+        legend: list[Artist] = []
         if s["failures"]:
             legend.append(Line2D([], [], color="#d62828", lw=1.6, label="failure"))
         if saved:

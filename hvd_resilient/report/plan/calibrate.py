@@ -100,8 +100,8 @@ def calibrate(path: str | Path, gloo_timeout_s: float = 30.0) -> Calibration:
     m = cal.measured
     prefix = {"ours": "ours", "vanilla-horovod": "vanilla"}.get(stack)
 
-    sizes = {n: t.get("steps_per_s") for n, t in report.throughput_by_size.items()
-             if t.get("steps_per_s")}
+    sizes = {n: rate for n, t in report.throughput_by_size.items()
+             if (rate := t.get("steps_per_s"))}
     if sizes:  # at full size: a smaller world steps faster on a shared machine
         full = max(sizes)
         m["step_s"] = Value(1.0 / sizes[full], f"measured: {where}, {sizes[full]:.3g} "
@@ -205,8 +205,8 @@ def _checkpoints(events: list[dict[str, Any]], where: str, m: dict[str, Value],
     stalls = [float(e["stall_seconds"]) for e in saved
               if isinstance(e.get("stall_seconds"), (int, float))]
     secs = [float(e["seconds"]) for e in saved if isinstance(e.get("seconds"), (int, float))]
-    ups = [float(e.get("upload_seconds", e.get("seconds"))) for e in saved
-           if isinstance(e.get("upload_seconds", e.get("seconds")), (int, float))]
+    ups = [float(up) for e in saved
+           if isinstance(up := e.get("upload_seconds", e.get("seconds")), (int, float))]
     blocking = bool(stalls and secs) and statistics.median(stalls) >= statistics.median(secs)
     if stalls:
         name = "ckpt_sync_s" if blocking else "ckpt_async_stall_s"
@@ -222,8 +222,9 @@ def _capacity(report: Report) -> dict[int, float]:
     rows: dict[int, float] = {}
     for size, t in report.throughput_by_size.items():
         rate = t.get("samples_per_s")
-        if rate is None and t.get("steps_per_s") is not None:
-            rate = t["steps_per_s"] * size
+        steps_per_s = t.get("steps_per_s")
+        if rate is None and steps_per_s is not None:
+            rate = steps_per_s * size
         if rate and size > 0:
             rows[int(size)] = float(rate)
     if not rows:

@@ -264,9 +264,9 @@ def evaluate(tls: list[Timeline], st: Strategy, job: Job, commit_every: np.ndarr
     KIND = np.zeros((K, S, 1), dtype=np.int8)
     CLS = np.full((K, S), NO_CLASS, dtype=np.int64)
     for s, t in enumerate(tls):
-        k = len(t.a)
-        A[:k, s, 0], B[:k, s, 0], CAP[:k, s, 0] = t.a, t.b, t.cap
-        KIND[:k, s, 0], CLS[:k, s] = t.kind, t.cls
+        n = len(t.a)
+        A[:n, s, 0], B[:n, s, 0], CAP[:n, s, 0] = t.a, t.b, t.cap
+        KIND[:n, s, 0], CLS[:n, s] = t.kind, t.cls
     # how each stretch ends, as 0/1 factors (cheaper than np.where in the loop)
     final = job.final_commit
     restart_f = (KIND == RESTART).astype(float)
@@ -427,10 +427,11 @@ def _young_daly(st: Strategy, job: Job, inp: Inputs) -> dict[str, Any]:
     for tier, lam, cost in (("durable", lam_r, st.ckpt_stall_s),
                             ("commit", lam_e if st.commits else 0.0, st.commit_s)):
         mtbf = 1.0 / lam if lam > 0 else None
-        ok = mtbf is not None and cost > 0
-        out[tier] = {"mtbf_s": mtbf, "cost_s": cost,
-                     "young_s": young_interval(cost, mtbf) if ok else None,
-                     "daly_s": daly_interval(cost, mtbf) if ok else None}
+        young: float | None = None
+        daly: float | None = None
+        if mtbf is not None and cost > 0:
+            young, daly = young_interval(cost, mtbf), daly_interval(cost, mtbf)
+        out[tier] = {"mtbf_s": mtbf, "cost_s": cost, "young_s": young, "daly_s": daly}
     return out
 
 
