@@ -102,13 +102,21 @@ class SegmentServer:
         self._server = http.server.ThreadingHTTPServer((host, 0), handler)
         self._server.daemon_threads = True
         self.address: tuple[str, int] = (host, self._server.server_address[1])
+        # shutdown() waits for the loop's next poll: at the default 0.5 s, every worker that
+        # left the job (a peer died, torchrun stopped the round) spent 0-0.5 s in close()
+        # before it could exit, and torchrun starts the next round only once all have.
         self._thread = threading.Thread(target=self._server.serve_forever,
+                                        kwargs={"poll_interval": POLL_S},
                                         name="memory-tier-server", daemon=True)
         self._thread.start()
 
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+POLL_S = 0.02
+"""How often the server's loop looks for a shutdown request (a select timeout: no work)."""
 
 
 def _get(conn: http.client.HTTPConnection, path: str, limit: int) -> memoryview:
