@@ -147,7 +147,7 @@ class Agent:
         waiting = sorted(set(self.members) & set(self.alive) - asked)
         if waiting and now - self._asked_since < self.last_call_s:
             return None  # a live member still in its step: it fails at its next collective
-        busy = [m for m in waiting if self._busy(m)]
+        busy = [m for m in waiting if is_busy(self.store, m)]
         if busy:  # in a declared section (an evaluation): it asks when it leaves it
             if busy != self._said_busy:
                 logger.info("waiting for member(s) %s: busy in a declared section",
@@ -165,9 +165,6 @@ class Agent:
             return 1
         self._publish(members)
         return None
-
-    def _busy(self, m: int) -> bool:
-        return is_busy(self.store, m)
 
     def _ready(self) -> list[int]:
         return [m for m in self.alive if m not in self.members

@@ -94,6 +94,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         pass  # the job's own events say what was fetched
 
 
+POLL_S = 0.02
+"""How often the server's loop looks for a shutdown request (a select timeout: no work)."""
+
+
 class SegmentServer:
     """Serves ``root`` (every run's segments on this host) at ``address``."""
 
@@ -113,10 +117,6 @@ class SegmentServer:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
-
-
-POLL_S = 0.02
-"""How often the server's loop looks for a shutdown request (a select timeout: no work)."""
 
 
 def _get(conn: http.client.HTTPConnection, path: str, limit: int) -> memoryview:
