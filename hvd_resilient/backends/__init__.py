@@ -38,12 +38,10 @@ def _torchrun(*, fsdp: bool, recovery: RecoveryOptions, deterministic: bool) -> 
 def _inplace(*, fsdp: bool, recovery: RecoveryOptions, deterministic: bool) -> Backend:
     from hvd_resilient.backends.inplace.backend import InPlaceBackend
 
-    if fsdp:
-        raise ConfigError("--fsdp is not supported by the inplace backend yet; use torchrun")
     return InPlaceBackend(pg_timeout_seconds=recovery.pg_timeout_seconds,
                           heartbeat_timeout_s=recovery.heartbeat_timeout_seconds,
                           generation_timeout_s=recovery.generation_timeout_seconds,
-                          deterministic=deterministic)
+                          deterministic=deterministic, fsdp=fsdp)
 
 
 _REGISTRY: dict[str, Factory] = {"horovod": _horovod, "torchrun": _torchrun,
@@ -78,7 +76,7 @@ def detect(env: Mapping[str, str] = os.environ) -> str:
 def get(name: str | Backend | None = None, *, fsdp: bool = False,
         recovery: RecoveryOptions | None = None, deterministic: bool = False) -> Backend:
     """The backend called ``name`` (default: the launcher's), or ``name`` itself when it is a
-    backend instance. ``fsdp`` shards the model (torchrun only: asking for it on Horovod is a
+    backend instance. ``fsdp`` shards the model (torchrun, inplace: asking for it on Horovod is a
     ConfigError, before anything starts); ``recovery`` carries the detection settings
     (timeouts, heartbeats) from the config; ``deterministic`` reduces gradients in a fixed
     order (a backend instance must have been built with it: it is never switched on later)."""

@@ -5,7 +5,8 @@ decides every membership (`backends/inplace/membership.py`).
 
 It is never a training rank, so the store outlives any worker. A worker that dies (or that its
 peers found silent, which the agent ends) is dropped from the next generation; the survivors
-go on in their processes. With ``--replace`` the agent starts a new worker for each one lost;
+go on in their processes. With ``--replace`` the agent starts a new worker for each one lost
+(not for one that exited 78, a fault of the job's own that a newcomer would repeat);
 it imports while the others train and joins at their next commit once it is up (a generation
 with it). Fewer than ``--min-np`` live workers end the job (exit 1), so that
 `hvd-resilient run` relaunches it from the durable checkpoint. SIGTERM and SIGINT are passed
@@ -42,7 +43,7 @@ from hvd_resilient.backends.inplace.membership import (
 )
 from hvd_resilient.cli_errors import exit_on_error
 from hvd_resilient.die_with_parent import die_with_parent
-from hvd_resilient.errors import ConfigError
+from hvd_resilient.errors import FATAL_EXIT_CODE, ConfigError
 
 logger = logging.getLogger("hvd_resilient.launch.inplace_agent")  # not __name__: run as __main__
 POLL_S = 0.01
@@ -92,7 +93,9 @@ class Agent:
             else:
                 self.failed[m] = rc
                 logger.warning("member %d exited (code %d)", m, rc)
-                if self.replace and not self.finished and not self._stopping:
+                # 78: a fault of the job itself (a bad config), which a newcomer would repeat
+                if (self.replace and rc != FATAL_EXIT_CODE and not self.finished
+                        and not self._stopping):
                     self._start(self.next_member)
                     logger.info("member %d started in place of member %d", self.next_member, m)
                     self.next_member += 1

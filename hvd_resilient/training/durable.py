@@ -210,12 +210,13 @@ class DurableCheckpoints:
                 delay = min(delay * 2, 10.0)
 
     # -- resume ----------------------------------------------------------------------------
-    def resume(self) -> int | None:
+    def resume(self, *, from_scratch: bool = True) -> int | None:
         """Loads the newest commit into the state: from the memory tier when it holds one at
         least as new as the newest durable checkpoint, else the newest verified durable one
         (rank 0 under Horovod, every rank under torchrun: there the memory tier's choice is a
         collective, and nothing before it may raise). Returns the step resumed from (None:
-        from scratch)."""
+        none found; then ``from_scratch`` says whether a start from scratch is fine, or only
+        where no checkpoint exists at all)."""
         t0 = time.perf_counter()
         tier = self.memory_tier
         if tier is not None and tier.enabled:  # else one scan: load_latest's
@@ -227,7 +228,8 @@ class DurableCheckpoints:
                                      published=floor, fetched=found.fetched, since=t0)
         info = self._load_durable()
         if info is None:
-            self._start_from_scratch()
+            if from_scratch:
+                self._start_from_scratch()
             return None
         self._last_save_time = info.created
         return self._resumed("durable", info.world_size, info.layout, published=info.step,

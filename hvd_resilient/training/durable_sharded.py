@@ -24,7 +24,7 @@ from hvd_resilient.checkpoint.manifest import SHARDED, CheckpointInfo
 from hvd_resilient.checkpoint.serialize import from_bytes, to_buffer
 from hvd_resilient.checkpoint.sharded.checkpointer import ShardedCheckpointer
 from hvd_resilient.config import TrainConfig
-from hvd_resilient.errors import ResumeError
+from hvd_resilient.errors import RESTARTABLE_EXIT_CODE, HvdResilientError, ResumeError
 from hvd_resilient.events import EventLog
 from hvd_resilient.state.core import StateCore
 from hvd_resilient.training.durable import DurableCheckpoints
@@ -38,6 +38,12 @@ the optimizer, which are in the shards)."""
 GROUP_TIMEOUT = datetime.timedelta(minutes=10)
 """How long a checkpoint collective (on its own Gloo group) waits for a rank: long enough for
 the slowest upload of a shard, finite so a lost rank ends the save instead of hanging it."""
+
+
+class CommitLost(HvdResilientError):
+    """In place, nothing to reload a sharded model from: ends every rank for a restart."""
+
+    exit_code = RESTARTABLE_EXIT_CODE
 
 
 class ShardedDurableCheckpoints(DurableCheckpoints):
@@ -56,15 +62,38 @@ class ShardedDurableCheckpoints(DurableCheckpoints):
     def __init__(self, config: TrainConfig, state: StateCore, events: EventLog,
                  backend: Backend, *, faults: FaultPlan | None = None,
                  memory_tier: MemoryCommits | None = None) -> None:
+        super().__init__(config, state, events, backend, faults=faults, memory_tier=memory_tier)
+        self.saver = self._new_saver()
+        if getattr(state.model, "holds_sharded_module", False):  # in place: `_reload`
+            state.after_reset(self._reload)
+
+    def _new_saver(self) -> ShardedCheckpointer:
+        """Created on every rank at the same point (creating a group is a collective)."""
         import torch.distributed as dist
 
-        super().__init__(config, state, events, backend, faults=faults, memory_tier=memory_tier)
-        # Created here, on every rank at the same point (creating a group is a collective).
         group = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT)
-        self.saver = ShardedCheckpointer(
-            self.manager, rank=backend.rank(), world_size=backend.size(), group=group,
-            on_event=self._emit, name=config.run_id,
+        return ShardedCheckpointer(
+            self.manager, rank=self.backend.rank(), world_size=self.backend.size(),
+            group=group, on_event=self._emit, name=self.config.run_id,
         )
+
+    def _reload(self) -> None:
+        """A new generation of the in-place backend (collective): checkpoints on its own
+        group, the model re-sharded over it, then the last commit: the memory tier's (every
+        old rank's shards, assembled), else the newest durable checkpoint. Neither: the job
+        ends for a restart (exit 1), since the survivors' shards alone are not a model.
+
+        A save in flight when the fault came is abandoned: its gather fails on the old
+        group, so it never gets a manifest (``checkpoint_failed``)."""
+        last = self.saver.last_saved
+        self.saver = self._new_saver()
+        self.saver.last_saved = last
+        self.state.model.reshard()
+        if self.memory_tier is not None:
+            self.memory_tier.flush()  # this rank's own segment of the last commit, complete
+        if self.resume(from_scratch=False) is None:
+            raise CommitLost("no commit of the sharded model in the memory tier or the "
+                             "durable store to reload in place; the job restarts")
 
     def _start_warming(self) -> None:
         """Nothing to warm: shards are written by ``torch.distributed.checkpoint``, not through

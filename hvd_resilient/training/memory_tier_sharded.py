@@ -122,6 +122,17 @@ class ShardedMemoryCommits(MemoryCommits):
             self.own.sweep()
             if not self.config.checkpoint.resume:
                 self.own.clear()
+            self.state.after_reset(self._regroup)  # in place only: a new generation
+
+    def _regroup(self) -> None:
+        """A new generation (the in-place backend): this rank's next commits go to the folder
+        of its new rank and world size; the ring is asked again at the next commit. No
+        collective: the old size's segments stay until this size has a commit of its own,
+        since the reload that follows may need them."""
+        self._ring, self._commits_at_size = False, 0
+        self.own = SegmentDir(self.config.memory_tier.dir, self.run_key,
+                              owner(self.backend.rank(), self.backend.size()),
+                              max_bytes=self.config.memory_tier.max_bytes)
 
     @property
     def run_path(self) -> str:

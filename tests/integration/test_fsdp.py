@@ -243,9 +243,9 @@ def test_fsdp_with_horovod_is_one_config_error(tmp_path):
                        capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert r.returncode == FATAL_EXIT_CODE
     assert r.stderr.strip().splitlines() == [
-        "hvd-resilient: error: config: fsdp needs the torchrun backend, this job runs on horovod"
-        " (launch it with torchrun or `hvd-resilient run --launcher torchrun`, or drop --fsdp /"
-        " HVD_RESILIENT_FSDP)"]
+        "hvd-resilient: error: config: fsdp needs the torchrun or inplace backend, this job "
+        "runs on horovod (launch it with torchrun or `hvd-resilient run --launcher "
+        "torchrun|inplace`, or drop --fsdp / HVD_RESILIENT_FSDP)"]
     assert not (tmp_path / "events.jsonl").exists()
 
 

@@ -58,8 +58,8 @@ def main() -> int:
 
     resume = ShardedDurableCheckpoints.resume
 
-    def resume_and_dump(self: ShardedDurableCheckpoints) -> int | None:
-        step = resume(self)
+    def resume_and_dump(self: ShardedDurableCheckpoints, **kwargs: Any) -> int | None:
+        step = resume(self, **kwargs)
         if step is not None:
             dump(self.state, "resumed", args.dump_dir)
         return step

@@ -40,8 +40,10 @@ def test_workers_find_the_backend_from_the_agents_variable():
     assert membership.AGENT_ENV == backends.INPLACE_AGENT_ENV
     assert backends.detect({backends.INPLACE_AGENT_ENV: "127.0.0.1:1"}) == "inplace"
     assert "inplace" in backends.names()
-    with pytest.raises(ConfigError, match="--fsdp is not supported by the inplace backend"):
-        backends.get("inplace", fsdp=True)
+    sharded = backends.get("inplace", fsdp=True)  # FSDP reduces in backward; all ranks load
+    assert sharded.fsdp and sharded.reduces_in_backward and sharded.resume_on_every_rank
+    plain = backends.get("inplace")
+    assert not (plain.fsdp or plain.reduces_in_backward or plain.resume_on_every_rank)
 
 
 @pytest.mark.parametrize("argv, says", [

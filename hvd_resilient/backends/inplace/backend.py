@@ -35,7 +35,13 @@ from hvd_resilient.detect import Detectors, hangup, progress
 from hvd_resilient.detect.gloo_watch import GlooWatch
 from hvd_resilient.detect.heartbeat import Peer
 from hvd_resilient.detect.silent_peers import SilentPeers
-from hvd_resilient.errors import HUNG_EXIT_CODE, HvdResilientError, exit_now, one_line
+from hvd_resilient.errors import (
+    HUNG_EXIT_CODE,
+    ConfigError,
+    HvdResilientError,
+    exit_now,
+    one_line,
+)
 
 logger = logging.getLogger(__name__)
 MAX_FAILED_GENERATIONS = 5
@@ -85,17 +91,27 @@ class InPlaceBackend(Backend):
     reduces_in_backward = False  # the gradients are averaged at optimizer.step() (grads.py)
 
     def __init__(self, pg_timeout_seconds: float = 300.0, heartbeat_timeout_s: float = 1.5,
-                 generation_timeout_s: float = 120.0, *, deterministic: bool = False) -> None:
+                 generation_timeout_s: float = 120.0, *, deterministic: bool = False,
+                 fsdp: bool = False) -> None:
         self.deterministic = deterministic
+        self.fsdp = fsdp
+        """Shard the model (FSDP2), re-sharded at every generation (`inplace.fsdp`): FSDP
+        reduces in backward, and every rank loads its shards at a (re)start, as on torchrun."""
+        if fsdp:
+            self.reduces_in_backward = self.resume_on_every_rank = True
         self.pg_timeout = datetime.timedelta(seconds=pg_timeout_seconds)
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.generation_timeout_s = generation_timeout_s
         self.membership: Membership | None = None
         self.collectives = TorchDistCollectives()
+        self._reset_pending = False
 
     def init(self, comm: Any | None = None) -> None:
         determinism.apply(self.deterministic)
         m = self.membership = Membership(self.generation_timeout_s)
+        if self.fsdp and m.joins:
+            raise ConfigError("fsdp on the inplace backend takes no replacement workers yet "
+                              "(a newcomer would need every shard); drop --replace")
         if m.expect_to_join():
             return  # a latecomer: set up first, announce at run() (the others train on)
         self._take_place(m)
@@ -118,9 +134,19 @@ class InPlaceBackend(Backend):
     def local_size(self) -> int:
         return self.size()  # the agent starts every worker on its machine
 
+    @property
+    def coordinator(self) -> tuple[str, int]:
+        """The agent's store: where the memory tier's segment server is reached from."""
+        assert self.membership is not None, "init() first"
+        return self.membership.address
+
     def wrap(self, model: Any, optimizer: Any, *, accumulation: int = 1) -> tuple[Any, Any]:
         """The model as it is (its parameters are made equal by every sync), the optimizer
-        averaging gradients at each step."""
+        averaging gradients at each step; with fsdp, the model sharded in its holder."""
+        if self.fsdp:
+            from hvd_resilient.backends.inplace.fsdp import Resharded
+
+            return Resharded(model, optimizer, torch.device("cpu")), optimizer
         GradientAverager(optimizer)
         return model, optimizer
 
@@ -163,6 +189,9 @@ class InPlaceBackend(Backend):
                     with progress.section("sync", None):
                         counts = detectors.arm_with(self.rank(), self.allgather_object)
                         state.events.emit("watch", generation=m.generation, **counts)
+                        if self._reset_pending:  # watched: the hooks' collectives (fsdp's
+                            state.reset_done()  # reload) fail fast on a lost peer
+                            self._reset_pending = False
                         t0 = time.time()
                         state.sync()
                         state.events.emit("sync", seconds=round(time.time() - t0, 6))
@@ -224,7 +253,7 @@ class InPlaceBackend(Backend):
             except Fenced as e:
                 logger.error("%s; exiting (code %d)", e, HUNG_EXIT_CODE)
                 exit_now(HUNG_EXIT_CODE)
-        state.reset_done()
+        self._reset_pending = True  # the after-reset hooks run in the loop (run())
         joined = {} if after_fault else {"joined": True}
         state.events.emit("reset", old_size=old_size, new_size=self.size(),
                           generation=m.generation, seconds=round(time.time() - since, 6),

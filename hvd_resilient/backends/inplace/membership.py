@@ -90,10 +90,14 @@ def is_busy(store: Any, member: int) -> bool:
         return False
 
 
+def agent_address(env: dict[str, str]) -> tuple[str, int]:
+    host, _, port = env[AGENT_ENV].rpartition(":")
+    return host, int(port)
+
+
 def agent_store(env: dict[str, str], timeout_s: float) -> dist.TCPStore:
     """A connection to the agent's store (its keys are under `PREFIX`)."""
-    host, _, port = env[AGENT_ENV].rpartition(":")
-    return dist.TCPStore(host, int(port), is_master=False,
+    return dist.TCPStore(*agent_address(env), is_master=False,
                          timeout=datetime.timedelta(seconds=timeout_s))
 
 
@@ -169,12 +173,15 @@ class Membership:
         self.me = int(env[MEMBER_ENV])
         self.timeout_s = timeout_s
         self.base = agent_store(env, timeout_s)
+        self.address = agent_address(env)
+        """The agent's store (``host``, ``port``)."""
         self.store = dist.PrefixStore(PREFIX, self.base)
         self.joins = self.store.get("joins") == b"1"
         """Whether the agent starts workers that join later (`--replace`); set before any
         worker starts, so every member reads the same."""
         self.generation = -1
         self.members: list[int] = []
+        self.group_store: FormationStore | None = None
         self.announced_at: float | None = None
         self._said_busy = False
 
@@ -273,6 +280,10 @@ class Membership:
         form = min(pg_timeout, datetime.timedelta(seconds=FORM_TIMEOUT_S))
         store = FormationStore(self.base, group_prefix(g), lambda: self.newest() > g,
                                self.timeout_s)
+        # Kept alive with the group: the C++ side calls back into this Python object, and a
+        # group made later on it (`dist.new_group`) fails with "Not implemented" once it is
+        # collected.
+        self.group_store = store
         try:
             dist.init_process_group("gloo", store=store, rank=self.rank,
                                     world_size=len(self.members),

@@ -28,9 +28,13 @@ class InPlaceState(InMemoryState, TorchDistState):
         super().__init__(model, optimizer, collectives=collectives, **kwargs)
         self._generation_changed = generation_changed
         self._move = False
-        self._commits = LocalCommits({"model": model, "optimizer": optimizer,
-                                      "sampler": self.sampler, "scheduler": self.scheduler,
-                                      **self._stateful})
+        # A sharded model's commit is the memory tier's (every rank's shards, the lost one's
+        # included); the holder re-shards it and `durable_sharded` reloads it at a new
+        # generation. Here only what every rank holds whole.
+        whole = {} if getattr(model, "holds_sharded_module", False) else {
+            "model": model, "optimizer": optimizer}
+        self._commits = LocalCommits({**whole, "sampler": self.sampler,
+                                      "scheduler": self.scheduler, **self._stateful})
         self._saved_attributes = self._attributes_copy()
 
     def _attributes_copy(self) -> dict[str, Any]:

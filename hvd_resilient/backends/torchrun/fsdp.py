@@ -33,14 +33,20 @@ def require_torchrun(backend: str) -> None:
     only averages replicated gradients, so the combination is refused before anything starts.
 
     Raises:
-        ConfigError: ``backend`` is not torchrun.
+        ConfigError: ``backend`` is neither torchrun nor inplace.
     """
-    if backend != "torchrun":
+    if backend not in ("torchrun", "inplace"):
         raise ConfigError(
-            f"config: fsdp needs the torchrun backend, this job runs on {backend} (launch it "
-            "with torchrun or `hvd-resilient run --launcher torchrun`, or drop --fsdp / "
-            "HVD_RESILIENT_FSDP)"
+            f"config: fsdp needs the torchrun or inplace backend, this job runs on {backend} "
+            "(launch it with torchrun or `hvd-resilient run --launcher torchrun|inplace`, or "
+            "drop --fsdp / HVD_RESILIENT_FSDP)"
         )
+
+
+def root(model: nn.Module) -> nn.Module:
+    """The sharded module itself: the in-place backend hands the trainer a holder
+    (`backends.inplace.fsdp.Resharded`) whose ``module`` is the current generation's."""
+    return model.module if getattr(model, "holds_sharded_module", False) else model
 
 
 def _units(model: nn.Module) -> list[nn.Module]:
@@ -54,6 +60,40 @@ def _units(model: nn.Module) -> list[nn.Module]:
     return out
 
 
+def param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """Each param group's parameters by name: what survives `fully_shard` replacing them.
+
+    Raises:
+        ConfigError: the optimizer holds tensors that are not parameters of ``model``.
+    """
+    names = {id(p): n for n, p in model.named_parameters()}
+    try:
+        return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+    except KeyError:
+        raise ConfigError("fsdp: the optimizer holds tensors that are not parameters of "
+                          "the model; build it from model.parameters()") from None
+
+
+def shard_module(model: nn.Module) -> int:
+    """``fully_shard`` over the current default group: one unit per block, plus the root.
+    Returns the number of units. Collective."""
+    from torch.distributed.fsdp import fully_shard
+
+    units = _units(model)
+    for unit in units:
+        fully_shard(unit)
+    fully_shard(model)
+    return len(units) + 1
+
+
+def point_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
+                    names: list[list[str]]) -> None:
+    """The optimizer's param groups hold ``model``'s (sharded) parameters of these names."""
+    sharded = dict(model.named_parameters())
+    for group, group_names in zip(optimizer.param_groups, names, strict=True):
+        group["params"] = [sharded[n] for n in group_names]
+
+
 def shard(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> nn.Module:
     """Moves ``model`` to ``device``, makes every rank start from rank 0's values, wraps it with
     ``fully_shard`` (one unit per block, plus the root) and re-points ``optimizer`` at the
@@ -64,29 +104,19 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.devi
             holds tensors that are not parameters of ``model``.
     """
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
 
     if optimizer.state:
         raise ConfigError("fsdp: the optimizer has already stepped; hand the Trainer a fresh "
                           "one (its state must be created on the sharded parameters)")
+    names = param_names(model, optimizer)
     model.to(device)
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
             dist.broadcast(t.data, src=0)
-    names = {id(p): n for n, p in model.named_parameters()}
-    units = _units(model)
-    for unit in units:
-        fully_shard(unit)
-    fully_shard(model)
-    sharded = dict(model.named_parameters())
-    for group in optimizer.param_groups:
-        try:
-            group["params"] = [sharded[names[id(p)]] for p in group["params"]]
-        except KeyError:
-            raise ConfigError("fsdp: the optimizer holds tensors that are not parameters of "
-                              "the model; build it from model.parameters()") from None
+    units = shard_module(model)
+    point_optimizer(optimizer, model, names)
     logger.info("model sharded with FSDP2 over %d ranks (%d units)", dist.get_world_size(),
-             len(units) + 1)
+                units)
     return model
 
 
@@ -102,6 +132,7 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     )
 
     opts = StateDictOptions(full_state_dict=True)
+    model = root(model)
     if optimizer is None:
         return get_model_state_dict(model, options=opts), {}
     return get_state_dict(model, optimizer, options=opts)
@@ -114,7 +145,7 @@ def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer
     not stepped gets its (zero) state created first, or a load would have nowhere to go."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(root(model), optimizer)
     return {"model": model_sd, "optim": optim_sd}
 
 
@@ -123,7 +154,8 @@ def apply_sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer,
     """Puts a loaded :func:`sharded_state` back into the model and optimizer."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    set_state_dict(root(model), optimizer, model_state_dict=sd["model"],
+                   optim_state_dict=sd["optim"])
 
 
 def apply_full_state(model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -133,6 +165,6 @@ def apply_full_state(model: nn.Module, optimizer: torch.optim.Optimizer,
     the full tensors from every old rank's shards)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    set_state_dict(model, optimizer, model_state_dict=full["model"],
+    set_state_dict(root(model), optimizer, model_state_dict=full["model"],
                    optim_state_dict=full["optim"],
                    options=StateDictOptions(full_state_dict=True))
