@@ -79,11 +79,28 @@ def shard_module(model: nn.Module) -> int:
     Returns the number of units. Collective."""
     from torch.distributed.fsdp import fully_shard
 
-    units = _units(model)
+    units = _tied_together(_units(model))
     for unit in units:
-        fully_shard(unit)
+        fully_shard(unit if len(unit) > 1 else unit[0])
     fully_shard(model)
     return len(units) + 1
+
+
+def _tied_together(units: list[nn.Module]) -> list[list[nn.Module]]:
+    """The units, those that share a parameter (an embedding tied to the output layer) in one
+    group: FSDP2 refuses a parameter managed by two units, and gathers one group at once."""
+    groups: list[tuple[set[int], list[nn.Module]]] = []
+    for unit in units:
+        ids, members = {id(p) for p in unit.parameters()}, [unit]
+        rest = []
+        for other_ids, others in groups:
+            if other_ids & ids:
+                ids |= other_ids
+                members = others + members
+            else:
+                rest.append((other_ids, others))
+        groups = [*rest, (ids, members)]
+    return [members for _, members in groups]
 
 
 def point_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
