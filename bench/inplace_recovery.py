@@ -12,6 +12,10 @@ after a random extra 0-0.5 s, hits one random worker from outside (mid-step, mid
   step ends around the join (`join_stall_s`: the commit, the move, the sync, one step);
 - `torchrun_kill`: ours under torchrun, exactly what `hvd-resilient run --launcher torchrun`
   starts (warm forks, the memory tier): every worker restarts and resumes from the tier;
+- `inplace_fsdp_kill` / `torchrun_fsdp_kill`: the same two with `--fsdp` (FSDP2, the model
+  sharded over the 4 workers): in place the survivors re-shard it over 3 and reload every old
+  rank's shards of the last commit from the memory tier; under torchrun every worker restarts
+  and reassembles them;
 - `vanilla_torchrun_kill`: plain `torchrun` and DDP as the PyTorch docs write it
   (`bench/torchrun_vanilla_job.py`, a checkpoint file every 20 steps).
 
@@ -59,6 +63,8 @@ ROWS = {
     "inplace_freeze": ("inplace", signal.SIGSTOP),
     "inplace_join": ("inplace-replace", signal.SIGKILL),
     "torchrun_kill": ("torchrun", signal.SIGKILL),
+    "inplace_fsdp_kill": ("inplace-fsdp", signal.SIGKILL),
+    "torchrun_fsdp_kill": ("torchrun-fsdp", signal.SIGKILL),
     "vanilla_torchrun_kill": ("vanilla", signal.SIGKILL),
 }
 
@@ -70,7 +76,10 @@ def free_port() -> int:
 
 
 def command(stack: str, run: Path) -> list[str]:
-    train = [sys.executable, str(JOB), "--recipe", "adamw-warmup-cosine",
+    sharded = stack.endswith("-fsdp")
+    stack = stack.removesuffix("-fsdp")
+    train = [sys.executable, str(JOB), *(["--fsdp"] if sharded else []),
+             "--recipe", "adamw-warmup-cosine",
              "--recipe-clip-grad-norm", "1.0", "--samples", "--run-id", run.name,
              "--run-dir", str(run), "--batch-size", "8", "--commit-every", "5",
              "--epochs", "1000", "--max-steps", "2000", "--checkpoint-every", "1000",
@@ -145,7 +154,7 @@ def run_once(row: str, work: Path, timeout: float, recover_timeout: float,
         last_before = max(s["step"] for s in before)
         out["first_step_s"] = round(recovered["t"] - t_hit, 3)
         out["redone"] = max(0, last_before + 1 - recovered["step"])
-        if stack == "inplace":
+        if stack in ("inplace", "inplace-fsdp"):
             time.sleep(0.5)  # a few steps of every survivor
             now = {s["pid"] for s in steps(run) if s["t"] > recovered["t"] - 1e-3}
             out["kept_pids"] = bool(now) and now <= first
