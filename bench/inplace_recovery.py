@@ -10,6 +10,8 @@ after a random extra 0-0.5 s, hits one random worker from outside (mid-step, mid
   it starts joins; timed from the moment it was up (its `joined` event's `ready_at`) to the
   first step at 4 again (`join_first_step_s`), and each survivor's longest gap between two
   step ends around the join (`join_stall_s`: the commit, the move, the sync, one step);
+- `inplace_standby_kill`: the agent with `--standby 1` (a fifth worker set up and waiting),
+  SIGKILL: timed to the first step back at 4, the standby in the lost one's place;
 - `torchrun_kill`: ours under torchrun, exactly what `hvd-resilient run --launcher torchrun`
   starts (warm forks, the memory tier): every worker restarts and resumes from the tier;
 - `inplace_fsdp_kill` / `torchrun_fsdp_kill`: the same two with `--fsdp` (FSDP2, the model
@@ -20,10 +22,10 @@ after a random extra 0-0.5 s, hits one random worker from outside (mid-step, mid
   (`bench/torchrun_vanilla_job.py`, a checkpoint file every 20 steps).
 
 Times are from the signal to the first step that ends after it in a recovered world (at the
-new size in place; in a new process after a restart), read from the steps' own records
-(`samples.jsonl`: one line per rank per step, with its time and pid). `redone`: steps trained
-before the signal and trained again after it. `kept pids`: every worker of the recovered world
-is a process of the first launch. Median, p90 and max over the runs; a run that does not recover
+new size in place; back at full size with a standby; in a new process after a restart), read
+from the steps' own records (`samples.jsonl`: one line per rank per step, with its time and
+pid). `redone`: steps trained before the signal and trained again after it. `kept pids`: every
+survivor trains on in the process it was launched as. Median, p90 and max over the runs; a run that does not recover
 within its timeout counts as failed.
 
     python bench/inplace_recovery.py --repeats 5 --vanilla-repeats 3 \
@@ -62,6 +64,7 @@ ROWS = {
     "inplace_kill": ("inplace", signal.SIGKILL),
     "inplace_freeze": ("inplace", signal.SIGSTOP),
     "inplace_join": ("inplace-replace", signal.SIGKILL),
+    "inplace_standby_kill": ("inplace-standby", signal.SIGKILL),
     "torchrun_kill": ("torchrun", signal.SIGKILL),
     "inplace_fsdp_kill": ("inplace-fsdp", signal.SIGKILL),
     "torchrun_fsdp_kill": ("torchrun-fsdp", signal.SIGKILL),
@@ -88,10 +91,11 @@ def command(stack: str, run: Path) -> list[str]:
     if stack == "inplace-replace":  # the agent itself: `run` has no --replace (yet)
         return [sys.executable, "-m", "hvd_resilient.launch.inplace_agent", "--nproc", str(NP),
                 "--replace", "--", *train, "--checkpoint-url", ckpt]
-    if stack == "inplace":
+    if stack in ("inplace", "inplace-standby"):
+        standby = ["--standby", "1"] if stack == "inplace-standby" else []
         return [str(VENV_BIN / "hvd-resilient"), "run", "--launcher", "inplace", "--np",
-                str(NP), "--run-id", run.name, "--run-dir", str(run), "--checkpoint", ckpt,
-                "--max-restarts", "0", "--", *train]
+                str(NP), *standby, "--run-id", run.name, "--run-dir", str(run), "--checkpoint",
+                ckpt, "--max-restarts", "0", "--", *train]
     from hvd_resilient.launch.commands import torchrun_command
 
     if stack == "vanilla":
@@ -138,9 +142,11 @@ def run_once(row: str, work: Path, timeout: float, recover_timeout: float,
         recovered = None
         give_up = min(deadline, time.monotonic() + recover_timeout)
         while time.monotonic() < give_up:
+            # in place: the first step at the new size; else (a restart, or a standby in the
+            # lost one's place, back at full size) the first step of a process new to training
+            shrinks = stack.startswith("inplace") and stack != "inplace-standby"
             after = [s for s in steps(run) if s["t"] > t_hit and s["pid"] != victim
-                     and (s["size"] == NP - 1 if stack.startswith("inplace")
-                          else s["pid"] not in first)]
+                     and (s["size"] == NP - 1 if shrinks else s["pid"] not in first)]
             if after:
                 recovered = min(after, key=lambda s: s["t"])
                 break
@@ -154,10 +160,10 @@ def run_once(row: str, work: Path, timeout: float, recover_timeout: float,
         last_before = max(s["step"] for s in before)
         out["first_step_s"] = round(recovered["t"] - t_hit, 3)
         out["redone"] = max(0, last_before + 1 - recovered["step"])
-        if stack in ("inplace", "inplace-fsdp"):
+        if stack in ("inplace", "inplace-fsdp", "inplace-standby"):
             time.sleep(0.5)  # a few steps of every survivor
             now = {s["pid"] for s in steps(run) if s["t"] > recovered["t"] - 1e-3}
-            out["kept_pids"] = bool(now) and now <= first
+            out["kept_pids"] = (first - {victim}) <= now
         if stack == "inplace-replace":
             out.update(measure_join(run, first - {victim}, give_up, proc))
         return out  # finishing is the tests' business: the run is ended here

@@ -314,8 +314,9 @@ class TrainConfig:
     log_every: int = 50
     """Progress line every N steps on rank 0."""
     fsdp: bool = False
-    """Shard parameters, gradients and optimizer state across ranks (FSDP2, torchrun only);
-    checkpoints are then sharded too and reshard when resumed at another world size."""
+    """Shard parameters, gradients and optimizer state across ranks (FSDP2; torchrun, or the
+    inplace backend, where the survivors of a fault re-shard in their processes); checkpoints
+    are then sharded too and reshard when resumed at another world size."""
     fault: str = ""
     """Fault injection for tests and benchmarks (`training/faults.py`):
     `kill:rank=R:step=S[:at=step|upload]`, also `raise`, `abort`, `stall`, `hang`, `freeze`,

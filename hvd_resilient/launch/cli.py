@@ -147,6 +147,9 @@ def check_sizes(opts: dict[str, Any]) -> None:
     if opts.get("replace") and opts["launcher"] != "inplace":
         raise ConfigError("run: --replace is the inplace launcher's (horovod readmits a failed "
                           "host after its cooldown; torchrun restarts every worker)")
+    if opts.get("standby") and opts["launcher"] != "inplace":
+        raise ConfigError("run: --standby is the inplace launcher's (horovod: --warm-pool; "
+                          "torchrun restarts every worker)")
     if opts["launcher"] == "inplace" and opts.get("hosts"):
         raise ConfigError("run: --launcher inplace runs its workers on this machine for now; "
                           "drop --hosts (or use --launcher horovod for several hosts)")
@@ -169,7 +172,8 @@ def check_sizes(opts: dict[str, Any]) -> None:
             raise ConfigError(f"run: --np {np} is more than the {slots} slots in --hosts "
                               f"{opts['hosts']}")
     for name, least in (("max_restarts", 0), ("gloo_timeout_seconds", 1), ("reset_limit", 0),
-                        ("elastic_timeout", 1), ("torchrun_restarts", 0), ("ssh_port", 1)):
+                        ("elastic_timeout", 1), ("torchrun_restarts", 0), ("ssh_port", 1),
+                        ("standby", 0)):
         value = opts.get(name)
         if value is not None and value < least:
             raise ConfigError(f"run: --{name.replace('_', '-')} must be >= {least}, got {value}")
@@ -201,7 +205,8 @@ def launcher_command(opts: dict[str, Any], env_names: list[str]) -> list[str]:
         return mpirun_command(opts["np"], hosts, env_names, train)
     if opts["launcher"] == "inplace":
         return inplace_command(opts["np"], opts.get("min_np") or 1, train,
-                               replace=bool(opts.get("replace")))
+                               replace=bool(opts.get("replace")),
+                               standby=int(opts.get("standby") or 0))
     if opts["launcher"] == "torchrun":
         return torchrun_command(
             opts["np"], opts["nnodes"], opts["rdzv_endpoint"], opts["torchrun_restarts"],

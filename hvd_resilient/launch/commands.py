@@ -57,12 +57,13 @@ def mpirun_command(np: int, hosts: list[tuple[str, int]] | None, env_names: list
 
 
 def inplace_command(nproc: int, min_np: int, train_cmd: list[str], *,
-                    replace: bool = False) -> list[str]:
+                    replace: bool = False, standby: int = 0) -> list[str]:
     """The in-place agent (`launch/inplace_agent.py`) on this machine: ``nproc`` workers,
     the job ending (for a relaunch) below ``min_np``; ``replace``: a new worker for each one
-    lost."""
+    lost; ``standby``: that many more, set up and waiting to take a lost one's place."""
     return [sys.executable, "-m", "hvd_resilient.launch.inplace_agent", "--nproc", str(nproc),
-            "--min-np", str(min_np), *(["--replace"] if replace else []), "--", *train_cmd]
+            "--min-np", str(min_np), *(["--replace"] if replace else []),
+            *(["--standby", str(standby)] if standby else []), "--", *train_cmd]
 
 
 def torchrun_command(nproc_per_node: int, nnodes: str, rdzv_endpoint: str, max_restarts: int,

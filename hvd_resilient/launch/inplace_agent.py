@@ -8,9 +8,13 @@ peers found silent, which the agent ends) is dropped from the next generation; t
 go on in their processes. With ``--replace`` the agent starts a new worker for each one lost
 (not for one that exited 78, a fault of the job's own that a newcomer would repeat);
 it imports while the others train and joins at their next commit once it is up (a generation
-with it). Fewer than ``--min-np`` live workers end the job (exit 1), so that
-`hvd-resilient run` relaunches it from the durable checkpoint. SIGTERM and SIGINT are passed
-on to every worker (the trainer's preemption path: a final checkpoint, exit 75).
+with it). ``--standby K`` starts K more workers at launch, which set up and wait: a lost worker's
+place goes to one of them in the very generation that answers the fault, without an import
+(with ``--replace`` a new standby is started in its place); at the end of the run they are
+ended. The members never exceed ``--nproc``. Fewer than ``--min-np`` live workers end the job
+(exit 1), so that `hvd-resilient run` relaunches it from the durable checkpoint. SIGTERM and
+SIGINT are passed on to every worker (the trainer's preemption path: a final checkpoint, exit
+75).
 """
 
 from __future__ import annotations
@@ -51,10 +55,10 @@ POLL_S = 0.01
 
 class Agent:
     def __init__(self, cmd: Sequence[str], nproc: int, min_np: int, last_call_s: float,
-                 host: str = "127.0.0.1", replace: bool = False) -> None:
+                 host: str = "127.0.0.1", replace: bool = False, standby: int = 0) -> None:
         self.cmd, self.nproc, self.min_np, self.last_call_s = list(cmd), nproc, min_np, last_call_s
-        self.replace = replace
-        self.next_member = nproc
+        self.replace, self.standby = replace, standby
+        self.next_member = nproc + standby
         self.server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=60))
         self.store = dist.PrefixStore(PREFIX, self.server)
@@ -137,6 +141,7 @@ class Agent:
             return 0 if self.finished else max((c for c in self.failed.values() if c > 0),
                                                default=1)
         if self.finished or self._stopping:  # the run is ending: no new generation
+            self._end_standbys()
             return None
         self._evictions()
         lost = [m for m in self.members if m not in self.alive]
@@ -160,7 +165,8 @@ class Agent:
         if waiting:
             self._fence(waiting, f"it did not ask for generation {self.generation + 1} within "
                                  f"{self.last_call_s:g}s")
-        members = sorted(asked | set(self._ready()))  # a replacement up by now joins too
+        # a replacement or standby up by now joins too, into the places of the lost
+        members = sorted(asked | set(self._ready()[:max(0, self.nproc - len(asked))]))
         if len(members) < self.min_np:
             logger.error("%d live members, fewer than --min-np %d: ending the job so that it "
                          "restarts from its durable checkpoint", len(members), self.min_np)
@@ -173,10 +179,19 @@ class Agent:
         return [m for m in self.alive if m not in self.members
                 and self.store.check([ready_key(m)])]
 
+    def _end_standbys(self) -> None:
+        """The run is over (or stopping): workers that never joined hold nothing; they are
+        waiting for a generation that will not come."""
+        for m, p in self.alive.items():
+            if m not in self.members and p.poll() is None:
+                logger.info("ending standby member %d: the run is over", m)
+                p.kill()
+
     def _take_in(self) -> None:
-        """Workers up and waiting (replacements) join in a generation of their own, which the
-        members move to at their next commit; never while a fault is being answered."""
-        ready = self._ready()
+        """Workers up and waiting (replacements, standbys) join in a generation of their own
+        while there is a place for them, which the members move to at their next commit;
+        never while a fault is being answered."""
+        ready = self._ready()[:max(0, self.nproc - len(self.members))]
         if ready:
             self._publish(sorted([*self.members, *ready]))
 
@@ -189,8 +204,9 @@ class Agent:
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._forward)
-        self.store.set("joins", "1" if self.replace else "0")  # before any worker reads it
-        for m in range(self.nproc):
+        # before any worker reads it
+        self.store.set("joins", "1" if self.replace or self.standby else "0")
+        for m in range(self.nproc + self.standby):
             self._start(m)
         self._publish(list(range(self.nproc)))
         while True:
@@ -216,12 +232,17 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
                         "the heartbeats)")
     p.add_argument("--replace", action="store_true",
                    help="start a new worker for each one lost; it joins once it is up")
+    p.add_argument("--standby", type=int, default=0, metavar="K",
+                   help="start K more workers that set up and wait; a lost worker's place goes "
+                        "to one of them at once (default 0)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the worker command")
     a = p.parse_args(argv)
     if a.cmd[:1] == ["--"]:
         a.cmd = a.cmd[1:]
     if not a.cmd:
         raise ConfigError("no worker command: put it after --, e.g. -- python train.py")
+    if a.standby < 0:
+        raise ConfigError(f"need --standby >= 0, got {a.standby}")
     if a.nproc < 1 or not 1 <= a.min_np <= a.nproc:
         raise ConfigError(f"need --nproc >= 1 and 1 <= --min-np <= --nproc, got --nproc "
                           f"{a.nproc} --min-np {a.min_np}")
@@ -232,7 +253,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse(sys.argv[1:] if argv is None else argv)
     log.setup(rank_fn=lambda: 0)  # the agent speaks as rank 0 does
-    return Agent(a.cmd, a.nproc, a.min_np, a.last_call, replace=a.replace).run()
+    return Agent(a.cmd, a.nproc, a.min_np, a.last_call, replace=a.replace,
+                 standby=a.standby).run()
 
 
 if __name__ == "__main__":

@@ -53,6 +53,9 @@ class RunOptions:
     replace: bool = False
     """Inplace: start a new worker for each one lost; it joins the others at their next commit
     once it is up (default: train on without it)."""
+    standby: int = 0
+    """Inplace: K more workers started at launch that set up and wait; a lost worker's place
+    goes to one of them in the generation that answers the fault, without an import."""
     network_interface: str | None = setting(None, metavar="NIC")
     """Horovod: the interface Gloo uses, e.g. eth0; lo on one machine (default: Horovod finds a
     common one across hosts)."""

@@ -109,7 +109,7 @@ class MemoryCommits:
                            "or the durable checkpoint)", reason)
         else:
             self.usable = True
-            if self._lead() and backend.resume_on_every_rank:
+            if not backend.joining and self._lead() and backend.resume_on_every_rank:
                 self._serve()
         state.on_commit(self._on_commit)
 

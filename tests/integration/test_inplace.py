@@ -155,6 +155,30 @@ def test_a_replacement_joins_at_a_commit_and_gets_the_state(tmp_path, jobs):
     assert assert_exactly_once(run, N_SAMPLES) >= 1
 
 
+def test_a_standby_takes_a_lost_workers_place_in_the_generation_that_answers_the_fault(
+        tmp_path, jobs):
+    """--standby 2: two more workers set up at launch and wait. A kill is answered by one
+    generation at full size (the standby in the lost one's place, sent the state by the sync);
+    the other standby is ended when the run is over, and the job ends 0."""
+    run = tmp_path / "run"
+    job = agent_job(jobs, run, 3, "kill:rank=1:step=13", 40, "inplace-standby", "--standby", "2")
+    assert job.wait(300) == 0, job.output()[-3000:]
+    assert_faults_fired(run, 1)
+    out = job.output()
+    assert "generation 1: members [0, 2, 3]" in out, out[-3000:]
+    assert "ending standby member 4: the run is over" in out, out[-3000:]
+    evs = events(run / "events.jsonl")
+    assert len([e for e in evs if e["event"] == "start"]) == 5, "all five at launch, no other"
+    resets = [e for e in evs if e["event"] == "reset" and e["rank"] == 0]
+    assert [(e["generation"], e["new_size"]) for e in resets] == [(1, 3)], resets
+    (joined,) = [e for e in evs if e["event"] == "joined"]
+    assert (joined["member"], joined["generation"]) == (3, 1), joined
+    done = trainer_done(run)
+    assert sorted(done) == [0, 1, 2]
+    assert len({json.dumps(d["digests"], sort_keys=True) for d in done.values()}) == 1, done
+    assert assert_exactly_once(run, N_SAMPLES) >= 1
+
+
 def test_a_killed_agent_takes_every_worker_with_it(tmp_path, jobs):
     """The agent holds the generations' store: without it no worker can form a generation
     again, and a worker left training alone would write checkpoints beside the relaunch that

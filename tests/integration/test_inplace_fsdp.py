@@ -67,6 +67,7 @@ def test_fsdp_in_place_refuses_replacement_workers_with_one_line(tmp_path, jobs)
     job = jobs.start(agent_cmd(tmp_path / "run", 2, 10, "--replace"), name="fsdp-replace")
     assert job.wait(120) == FATAL_EXIT_CODE, job.output()[-3000:]
     out = job.output()
-    assert out.count("error: fsdp on the inplace backend takes no replacement workers yet (a "
-                     "newcomer would need every shard); drop --replace") == 2, out[-3000:]
+    assert out.count("error: fsdp on the inplace backend takes no replacement or standby "
+                     "workers yet (a newcomer would need every shard); drop --replace and "
+                     "--standby") == 2, out[-3000:]
     assert "Traceback" not in out

@@ -34,6 +34,12 @@ def test_run_builds_the_agent_command_line_with_its_sizes():
         command("--backend", "inplace", "--hosts", "h1:2")
     with pytest.raises(ConfigError, match="--replace is the inplace launcher's"):
         command("--backend", "torchrun", "--replace")
+    assert "--nproc 4 --min-np 1 --standby 2 -- python t.py" in " ".join(
+        command("--backend", "inplace", "--np", "4", "--standby", "2"))
+    with pytest.raises(ConfigError, match="--standby is the inplace launcher's"):
+        command("--backend", "horovod", "--standby", "1")
+    with pytest.raises(ConfigError, match="--standby must be >= 0"):
+        command("--backend", "inplace", "--standby", "-1")
 
 
 def test_workers_find_the_backend_from_the_agents_variable():
@@ -50,6 +56,7 @@ def test_workers_find_the_backend_from_the_agents_variable():
     (["--nproc", "2"], "no worker command"),
     (["--nproc", "2", "--min-np", "3", "--", "x"], "1 <= --min-np <= --nproc"),
     (["--nproc", "0", "--", "x"], "--nproc >= 1"),
+    (["--nproc", "2", "--standby", "-1", "--", "x"], "--standby >= 0"),
 ])
 def test_bad_agent_options_stop_with_one_line(argv, says):
     with pytest.raises(ConfigError, match=says):

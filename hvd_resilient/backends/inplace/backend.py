@@ -110,8 +110,9 @@ class InPlaceBackend(Backend):
         determinism.apply(self.deterministic)
         m = self.membership = Membership(self.generation_timeout_s)
         if self.fsdp and m.joins:
-            raise ConfigError("fsdp on the inplace backend takes no replacement workers yet "
-                              "(a newcomer would need every shard); drop --replace")
+            raise ConfigError("fsdp on the inplace backend takes no replacement or standby "
+                              "workers yet (a newcomer would need every shard); drop --replace "
+                              "and --standby")
         if m.expect_to_join():
             return  # a latecomer: set up first, announce at run() (the others train on)
         self._take_place(m)
@@ -133,6 +134,12 @@ class InPlaceBackend(Backend):
 
     def local_size(self) -> int:
         return self.size()  # the agent starts every worker on its machine
+
+    @property
+    def joining(self) -> bool:
+        """A latecomer set up before it has a group: it takes no host role (the memory tier's
+        writer) until it is a member."""
+        return self.membership is not None and not dist.is_initialized()
 
     @property
     def coordinator(self) -> tuple[str, int]:
@@ -171,7 +178,8 @@ class InPlaceBackend(Backend):
         assert m is not None, "init() first"
         if not dist.is_initialized():  # a latecomer, set up: up and waiting now, so the
             m.announce()  # members' stall at its join is the formation and the sync only
-            self._take_place(m)
+            with progress.section("standing by", None):  # a standby: the whole run, maybe
+                self._take_place(m)
         watch = GlooWatch()
         detectors = Detectors(watch, SilentPeers(
             self.heartbeat_timeout_s, state.events, machine=socket.gethostname(),

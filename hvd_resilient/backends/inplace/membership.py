@@ -208,7 +208,8 @@ class Membership:
     def wait_beyond(self, g: int, *, joining: bool = False) -> int:
         """The first generation after ``g`` that holds this worker; raises `Fenced` when one
         was published without it (``joining``: a worker not taken in yet waits on through
-        those), TimeoutError when none comes in time."""
+        those, as long as the agent lives: a standby's wait is the whole run), TimeoutError
+        when none comes in time."""
         deadline = time.monotonic() + self.timeout_s
         while True:
             newest = self.newest()
@@ -221,7 +222,7 @@ class Membership:
                     raise Fenced(f"generation {newest} ({members}) goes on without member "
                                  f"{self.me}")
                 g = newest
-            if time.monotonic() > deadline:
+            if not joining and time.monotonic() > deadline:
                 if not self._others_busy():
                     raise TimeoutError(f"no generation after {g} within {self.timeout_s:.0f}s")
                 deadline = time.monotonic() + BUSY_FRESH_S
