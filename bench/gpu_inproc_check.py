@@ -15,8 +15,9 @@ time, never pinned to a version; a probe that cannot run here records why.
 3. a peer that never arrives: a two-rank group with one rank only, a short timeout: how long
    the formation waits, and whether the process and its CUDA context survive the failure;
 4. re-attach: a DDP model built on generation 1, the group replaced, DDP built again on
-   generation 2 over the same module (parameters unchanged); FSDP2 sharded on a one-rank mesh,
-   rebuilt on a new mesh after the group is replaced;
+   generation 2 over the same module (parameters unchanged); FSDP2 through the in-place
+   backend's own holder (`backends.inplace.fsdp.Resharded`): sharded, a step, the group
+   replaced, re-sharded and reloaded from the full state, compared exactly, a step again;
 5. two ranks on one GPU: recorded as skipped for now (NCCL refuses two ranks per device by
    default); to be written with the NCCL path of the backend.
 
@@ -163,21 +164,44 @@ def reattach(store: Any) -> dict[str, Any]:
     out["ddp_rebuilt_on_new_group"] = all(torch.equal(a, b) for a, b in
                                           zip(before, model.parameters(), strict=True))
     abort()
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+    try:  # the shipped path: the in-place backend's holder, re-sharded, reloaded
+        from torch.utils._pytree import tree_map_only
 
-        fsdp_model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
-        for g in (2002, 2003):
-            form(store, g, 0, 1, 30)
-            mesh = init_device_mesh(device().type, (1,))
-            sharded = fully_shard(fsdp_model.to(device()), mesh=mesh)
-            sharded(torch.randn(4, 64, device=device())).sum().backward()
-            abort()
-            fsdp_model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
-        out["fsdp2_rebuilt_on_new_mesh"] = True
+        from hvd_resilient.backends.inplace.fsdp import Resharded
+        from hvd_resilient.backends.torchrun import fsdp
+
+        form(store, 2002, 0, 1, 30)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+        held = Resharded(model, opt, device())
+        held(torch.randn(4, 64, device=device())).sum().backward()
+        opt.step()
+        # copies, as the memory tier's segments are (at one rank a full state dict is a view
+        # of the shards, which the re-shard frees)
+        model_sd, optim_sd = (tree_map_only(torch.Tensor, torch.clone, sd)
+                              for sd in fsdp.full_state(held, opt))
+        abort()
+        form(store, 2003, 0, 1, 30)
+        held.reshard()
+        fsdp.apply_full_state(held, opt, {"model": model_sd, "optim": optim_sd})
+        again, again_optim = fsdp.full_state(held, opt)
+        # after the earlier probes' groups, this torch handed back DTensors here at one rank
+        # (not in a fresh process): recorded, and compared whole
+        out["full_state_types"] = sorted({type(t).__name__ for t in model_sd.values()})
+
+        def whole(t: Any) -> Any:
+            return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+        same = all(torch.equal(whole(model_sd[k]), whole(again[k])) for k in model_sd) and all(
+            torch.equal(whole(a), whole(again_optim["state"][k][n]))
+            for k, st in optim_sd["state"].items() for n, a in st.items()
+            if isinstance(a, torch.Tensor))
+        held(torch.randn(4, 64, device=device())).sum().backward()
+        opt.step()
+        out["fsdp2_resharded_and_reloaded"] = same
+        abort()
     except Exception as e:
-        out["fsdp2_rebuilt_on_new_mesh"] = f"{type(e).__name__}: {str(e)[:200]}"
+        out["fsdp2_resharded_and_reloaded"] = f"{type(e).__name__}: {str(e)[:200]}"
         if dist.is_initialized():
             abort()
     out["healthy_after"] = healthy()

@@ -25,8 +25,8 @@ Times are from the signal to the first step that ends after it in a recovered wo
 new size in place; back at full size with a standby; in a new process after a restart), read
 from the steps' own records (`samples.jsonl`: one line per rank per step, with its time and
 pid). `redone`: steps trained before the signal and trained again after it. `kept pids`: every
-survivor trains on in the process it was launched as. Median, p90 and max over the runs; a run that does not recover
-within its timeout counts as failed.
+survivor trains on in the process it was launched as. Median, p90 and max over the runs; a run
+that does not recover within its timeout counts as failed.
 
     python bench/inplace_recovery.py --repeats 5 --vanilla-repeats 3 \
         --out bench/results/inplace.json
