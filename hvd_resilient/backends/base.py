@@ -20,9 +20,14 @@ class Backend(abc.ABC):
     """Reduce gradients in a fixed order and use deterministic local math (docs/
     determinism.md): given to the constructor (`backends.get(..., deterministic=)`, from
     `TrainConfig.deterministic`), never read from the environment."""
-    joining: bool = False
-    """This process is set up but not a member yet (the in-place backend's replacements and
-    standbys): it must not take roles from the members, such as the memory tier's writer."""
+
+    @property
+    def joining(self) -> bool:
+        """This process is set up but not a member yet (the in-place backend's replacements
+        and standbys): it must not take roles from the members, such as the memory tier's
+        writer."""
+        return False
+
     coordinator: tuple[str, int] | None = None
     """The address every rank reaches the job's rendezvous at (torchrun: MASTER_ADDR and
     MASTER_PORT, read by `init`); the interface this host reaches it from is the one its

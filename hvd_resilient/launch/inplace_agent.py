@@ -69,6 +69,7 @@ class Agent:
         self.generation, self.members = -1, list[int]()
         self._asked_since: float | None = None
         self._said_busy: list[int] = []
+        self._ended: set[int] = set()
         self._stopping = False
 
     def _start(self, member: int) -> None:
@@ -183,9 +184,10 @@ class Agent:
         """The run is over (or stopping): workers that never joined hold nothing; they are
         waiting for a generation that will not come."""
         for m, p in self.alive.items():
-            if m not in self.members and p.poll() is None:
+            if m not in self.members and m not in self._ended and p.poll() is None:
                 logger.info("ending standby member %d: the run is over", m)
                 p.kill()
+                self._ended.add(m)
 
     def _take_in(self) -> None:
         """Workers up and waiting (replacements, standbys) join in a generation of their own

@@ -109,6 +109,7 @@ class InPlaceBackend(Backend):
     def init(self, comm: Any | None = None) -> None:
         determinism.apply(self.deterministic)
         m = self.membership = Membership(self.generation_timeout_s)
+        self.coordinator = m.address  # where the memory tier's segment server is reached from
         if self.fsdp and m.joins:
             raise ConfigError("fsdp on the inplace backend takes no replacement or standby "
                               "workers yet (a newcomer would need every shard); drop --replace "
@@ -140,12 +141,6 @@ class InPlaceBackend(Backend):
         """A latecomer set up before it has a group: it takes no host role (the memory tier's
         writer) until it is a member."""
         return self.membership is not None and not dist.is_initialized()
-
-    @property
-    def coordinator(self) -> tuple[str, int]:
-        """The agent's store: where the memory tier's segment server is reached from."""
-        assert self.membership is not None, "init() first"
-        return self.membership.address
 
     def wrap(self, model: Any, optimizer: Any, *, accumulation: int = 1) -> tuple[Any, Any]:
         """The model as it is (its parameters are made equal by every sync), the optimizer

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -69,7 +69,9 @@ class Resharded(nn.Module):
 
     def set_requires_gradient_sync(self, requires: bool, **kwargs: Any) -> None:
         """FSDP2's switch for gradient accumulation (`training.recipe`)."""
-        self.module.set_requires_gradient_sync(requires, **kwargs)
+        from torch.distributed.fsdp import FSDPModule
+
+        cast(FSDPModule, self.module).set_requires_gradient_sync(requires, **kwargs)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         return self.module.state_dict(*args, **kwargs)

@@ -177,8 +177,8 @@ class Membership:
         """The agent's store (``host``, ``port``)."""
         self.store = dist.PrefixStore(PREFIX, self.base)
         self.joins = self.store.get("joins") == b"1"
-        """Whether the agent starts workers that join later (`--replace`); set before any
-        worker starts, so every member reads the same."""
+        """Whether the agent starts workers that join later (`--replace`, `--standby`); set
+        before any worker starts, so every member reads the same."""
         self.generation = -1
         self.members: list[int] = []
         self.group_store: FormationStore | None = None

@@ -46,7 +46,10 @@ def require_torchrun(backend: str) -> None:
 def root(model: nn.Module) -> nn.Module:
     """The sharded module itself: the in-place backend hands the trainer a holder
     (`backends.inplace.fsdp.Resharded`) whose ``module`` is the current generation's."""
-    return model.module if getattr(model, "holds_sharded_module", False) else model
+    if getattr(model, "holds_sharded_module", False):
+        inner: nn.Module = model.module  # type: ignore[assignment]
+        return inner
+    return model
 
 
 def _units(model: nn.Module) -> list[nn.Module]:
