@@ -699,7 +699,12 @@ class ElasticLoader:
                     losses_here += 1
                     self.worker_losses += 1
                     pending = [t.seq for t in feed.unacked]
-                    self.events.emit("loader_worker_lost", error=" ".join(str(e).split()),
+                    error = " ".join(str(e).split())
+                    gone = [w.pid for w in getattr(it, "_workers", []) if not w.is_alive()]
+                    if gone and not any(str(pid) in error for pid in gone):
+                        # a reset connection names no worker: say which one(s) died
+                        error += f" (worker pid {', '.join(map(str, gone))} gone)"
+                    self.events.emit("loader_worker_lost", error=error,
                                      losses=self.worker_losses, redo_batches=len(pending))
                     logger.warning("a loader worker died (%s); new workers resume at the "
                                    "first batch not delivered", e)
