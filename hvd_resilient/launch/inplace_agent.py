@@ -167,7 +167,7 @@ class Agent:
             self._fence(waiting, f"it did not ask for generation {self.generation + 1} within "
                                  f"{self.last_call_s:g}s")
         # a replacement or standby up by now joins too, into the places of the lost
-        members = sorted(asked | set(self._ready()[:max(0, self.nproc - len(asked))]))
+        members = sorted(asked | set(self._ready_for(len(asked))))
         if len(members) < self.min_np:
             logger.error("%d live members, fewer than --min-np %d: ending the job so that it "
                          "restarts from its durable checkpoint", len(members), self.min_np)
@@ -179,6 +179,11 @@ class Agent:
     def _ready(self) -> list[int]:
         return [m for m in self.alive if m not in self.members
                 and self.store.check([ready_key(m)])]
+
+    def _ready_for(self, taken: int) -> list[int]:
+        """Workers up and waiting, as many as there are places beside ``taken`` members (the
+        members never exceed --nproc)."""
+        return self._ready()[:max(0, self.nproc - taken)]
 
     def _end_standbys(self) -> None:
         """The run is over (or stopping): workers that never joined hold nothing; they are
@@ -193,7 +198,7 @@ class Agent:
         """Workers up and waiting (replacements, standbys) join in a generation of their own
         while there is a place for them, which the members move to at their next commit;
         never while a fault is being answered."""
-        ready = self._ready()[:max(0, self.nproc - len(self.members))]
+        ready = self._ready_for(len(self.members))
         if ready:
             self._publish(sorted([*self.members, *ready]))
 

@@ -116,9 +116,7 @@ class ShardedMemoryCommits(MemoryCommits):
         self._commits_at_size = 0
         super().__init__(*args, **kwargs)
         if self.enabled:
-            self.own = SegmentDir(self.config.memory_tier.dir, self.run_key,
-                                  owner(self.backend.rank(), self.backend.size()),
-                                  max_bytes=self.config.memory_tier.max_bytes)
+            self.own = self._own_folder()
             self.own.sweep()
             if not self.config.checkpoint.resume:
                 self.own.clear()
@@ -130,9 +128,13 @@ class ShardedMemoryCommits(MemoryCommits):
         collective: the old size's segments stay until this size has a commit of its own,
         since the reload that follows may need them."""
         self._ring, self._commits_at_size = False, 0
-        self.own = SegmentDir(self.config.memory_tier.dir, self.run_key,
-                              owner(self.backend.rank(), self.backend.size()),
-                              max_bytes=self.config.memory_tier.max_bytes)
+        self.own = self._own_folder()
+
+    def _own_folder(self) -> SegmentDir:
+        """This rank's segments at its current rank and world size."""
+        return SegmentDir(self.config.memory_tier.dir, self.run_key,
+                          owner(self.backend.rank(), self.backend.size()),
+                          max_bytes=self.config.memory_tier.max_bytes)
 
     @property
     def run_path(self) -> str:

@@ -171,7 +171,7 @@ class InPlaceBackend(Backend):
     def run(self, fn: Callable[[Any], None], state: Any) -> None:
         m = self.membership
         assert m is not None, "init() first"
-        if not dist.is_initialized():  # a latecomer, set up: up and waiting now, so the
+        if self.joining:  # a latecomer, set up: up and waiting now, so the
             m.announce()  # members' stall at its join is the formation and the sync only
             with progress.section("standing by", None):  # a standby: the whole run, maybe
                 self._take_place(m)
