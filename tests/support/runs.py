@@ -46,13 +46,20 @@ def assert_faults_fired(run: Path, n: int) -> list[float]:
     return fault_times(run)
 
 
-def resumed_from_last_commit(evs: list[dict], source: str = "memory") -> dict:
+def resumed_from_last_commit(evs: list[dict], source: str = "memory",
+                             commit_every: int = 5) -> dict:
     """The one resume of a run: from the memory tier (or a peer's copy), at the newest commit
-    a memory_commit event reported before it: nothing but the steps since that commit redone."""
+    a memory_commit event reported before it: nothing but the steps since that commit redone.
+
+    One commit newer is right too: the writer completes a segment and then reports it, and
+    the restart can end it between the two (seen in CI: segment 70 resumed, 69 the newest
+    reported). Older is the defect this catches: a complete commit passed over."""
     (resume,) = [e for e in evs if e["event"] == "resume"]
     committed = [e["ckpt_step"] for e in evs if e["event"] == "memory_commit"
                  and e["ts"] < resume["ts"]]
     assert committed, "no commit reached the memory tier before the restart"
     assert resume.get("source") == source, resume
-    assert resume["from_step"] == max(committed), (resume, sorted(committed)[-3:])
+    newest = max(committed)
+    assert newest <= resume["from_step"] <= newest + commit_every, (resume,
+                                                                    sorted(committed)[-3:])
     return resume
