@@ -16,6 +16,11 @@ RANK_ENVS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "RANK", "SLURM_
 SIZE_ENVS = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "WORLD_SIZE", "SLURM_NTASKS")
 """Where it finds the world size, in the same order."""
 
+FORKED_ENV = "HVD_RESILIENT_FORKED_PID"
+"""Set by a warm pool in each worker it forks, to that worker's pid: a process that finds its
+own pid there started warm (its `start` event says so); a child it starts inherits a pid that
+is not its own."""
+
 
 def _first_number(env: Mapping[str, str] | None, names: tuple[str, ...]) -> int | None:
     env = os.environ if env is None else env

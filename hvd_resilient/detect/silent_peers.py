@@ -1,8 +1,8 @@
 """What a worker does when its heartbeats find a peer silent (`detect/heartbeat.py`).
 
-The same everywhere: record `peer_silent`, SIGKILL the silent peers that run on this machine
-(SIGKILL works on a stopped process, so it can never wake up inside a world that moved on).
-Then it depends on what the launcher can do:
+For a silent peer, the same everywhere: record `peer_silent`, SIGKILL the silent peers that
+run on this machine (SIGKILL works on a stopped process, so it can never wake up inside a world
+that moved on). Then it depends on what the launcher can do:
 - Horovod elastic (`evict` given): the driver is told which slots to end and this rank's
   collectives are failed at once, so the job resets in memory without them;
 - everything else (torchrun, mpirun, a static Horovod job): this worker exits with
@@ -10,7 +10,10 @@ Then it depends on what the launcher can do:
   its workers now rather than after the process-group timeout, mpirun ends the job and
   `hvd-resilient run` relaunches it).
 A worker that finds itself frozen, or cut off from its peers and from the launcher's
-coordinator, exits without writing anything: the others have moved on without it.
+coordinator, exits without writing anything: the others have moved on without it. Under the
+launchers that restart every worker, a peer on this machine whose process ended is reported at
+the next ping (`peer_exited`) and this worker exits as for a silent one: under mpirun nothing
+else would end it.
 """
 
 from __future__ import annotations
@@ -88,7 +91,8 @@ class SilentPeers:
             timeout_s, on_lost=self._lost, on_self_frozen=self._self_frozen,
             on_cut_off=self._cut_off,
             is_cut_off=lambda: coordinator is not None and not heartbeat.probe(coordinator),
-            machine=machine, quiet_for=quiet_for)
+            machine=machine, quiet_for=quiet_for,
+            on_gone=self._gone if evict is None else None)
         self.address = (outward_ip(coordinator), self.hb.port)
 
     def peer(self, rank: int) -> heartbeat.Peer:
@@ -122,6 +126,17 @@ class SilentPeers:
             return
         logger.error("%s; exiting (code %d) so that the launcher restarts the job now",
                   detail, HUNG_EXIT_CODE)
+        self._exit()
+
+    def _gone(self, peers: list[heartbeat.Peer]) -> None:
+        """A peer on this machine ended (SIGKILL, the OOM killer, a crash): under a launcher
+        that restarts every worker, this one's collectives may never fail (MPI's do not), so
+        it leaves now and the launcher restarts the job at once."""
+        names = ", ".join(f"rank {p.rank} (pid {p.pid})" for p in peers)
+        self.events.emit("peer_exited", ranks=[p.rank for p in peers],
+                         pids=[p.pid for p in peers])
+        logger.error("%s ended; exiting (code %d) so that the launcher restarts the job now",
+                     names, HUNG_EXIT_CODE)
         self._exit()
 
     @staticmethod

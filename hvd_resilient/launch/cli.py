@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import os
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from typing import Any
 
 from hvd_resilient.config import CheckpointOptions, TrainConfig, refuse_credentials
 from hvd_resilient.errors import SUPERVISED_ENV, ConfigError, LaunchError
+from hvd_resilient.launch import mpi_warm
 from hvd_resilient.launch.commands import (
     horovodrun_static,
     hosts_arg,
@@ -26,7 +28,9 @@ from hvd_resilient.launch.commands import (
     mpirun_command,
     torchrun_command,
 )
+from hvd_resilient.launch.horovod import warm_pool
 from hvd_resilient.launch.horovod.command import ElasticLaunch, horovodrun_command
+from hvd_resilient.launch.horovod.warm_pool_server import Started
 from hvd_resilient.launch.run_options import LAUNCHERS, RUN
 from hvd_resilient.launch.supervisor import Supervisor
 from hvd_resilient.masking import has_credentials, mask_env, mask_text, mask_url
@@ -202,6 +206,8 @@ def launcher_command(opts: dict[str, Any], env_names: list[str]) -> list[str]:
     hosts = parse_hosts(opts["hosts"]) if opts.get("hosts") else None
     train = opts["command"]
     if opts["launcher"] == "mpi":
+        if mpi_warm.enabled(os.environ):
+            train = mpi_warm.wrap(train)
         return mpirun_command(opts["np"], hosts, env_names, train)
     if opts["launcher"] == "inplace":
         return inplace_command(opts["np"], opts.get("min_np") or 1, train,
@@ -226,6 +232,22 @@ def launcher_command(opts: dict[str, Any], env_names: list[str]) -> list[str]:
         )
         return horovodrun_command(launch, train)
     return horovodrun_static(opts["np"], hosts, opts.get("network_interface"), train)
+
+
+def start_mpi_pool(opts: dict[str, Any], env: dict[str, str]) -> Started | None:
+    """mpirun relaunches every rank after a failure: a warm pool on this machine forks this
+    machine's ranks of every launch with their imports done (`launch/mpi_warm.py`). Ready
+    before the first launch: its imports are the ones the ranks would do, once. None: not
+    mpi, turned off, or the pool did not come up (the ranks start cold, and say nothing)."""
+    if opts["launcher"] != "mpi" or not mpi_warm.enabled(env) \
+            or mpi_warm.wrap(opts["command"]) == opts["command"]:
+        return None
+    pool = Started(opts["command"])
+    if not pool.wait_ready():
+        pool.stop()
+        return None
+    env[warm_pool.SOCKET_ENV] = pool.path  # forwarded to the ranks (-x, an HVD_RESILIENT_ name)
+    return pool
 
 
 def check_discovery(script: str) -> None:
@@ -328,7 +350,17 @@ def main(argv: list[str]) -> int:
     if opts["fresh_start"]:
         print(fresh_start(opts["checkpoint"]), flush=True)
     Path(opts["run_dir"]).mkdir(parents=True, exist_ok=True)
-    outcome = Supervisor(cmd, env, opts["run_dir"], max_restarts=opts["max_restarts"]).run()
+    pool = start_mpi_pool(opts, env)
+    if pool is not None:  # its socket is one more name for mpirun to forward
+        cmd = launcher_command(opts, sorted(k for k in env if k.startswith(FORWARDED_PREFIXES)))
+    try:
+        # mpirun passes SIGUSR1 on to every rank, on every host: the preemption path
+        graceful = signal.SIGUSR1 if opts["launcher"] == "mpi" else None
+        outcome = Supervisor(cmd, env, opts["run_dir"], max_restarts=opts["max_restarts"],
+                             graceful=graceful).run()
+    finally:
+        if pool is not None:
+            pool.stop()
     msg = f"hvd-resilient run: {outcome.reason} (exit {outcome.exit_code}, " \
           f"{outcome.restarts} restarts; events: {opts['run_dir']}/events.jsonl)"
     print(mask_text(msg), file=sys.stderr if outcome.exit_code else sys.stdout)

@@ -41,7 +41,12 @@ def mpirun_command(np: int, hosts: list[tuple[str, int]] | None, env_names: list
                    train_cmd: list[str]) -> list[str]:
     """Open MPI's mpirun; every HVD_RESILIENT_/AWS_ variable is forwarded with -x."""
     cmd = [require("mpirun", "install Open MPI (apt-get install openmpi-bin)"), "-np", str(np),
-           "--bind-to", "none", "--tag-output"]
+           "--bind-to", "none", "--tag-output",
+           # When a rank dies, mpirun ends the others with SIGTERM and then sleeps this long
+           # (1 s by default, whether they are gone or not) before SIGKILL. Their state is in
+           # the memory tier, and a preemption reaches them as SIGUSR1 (the supervisor's
+           # graceful signal), not through this: the second is pure delay.
+           "--mca", "odls_base_sigkill_timeout", "0"]
     if os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
     if hosts:

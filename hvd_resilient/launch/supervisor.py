@@ -29,6 +29,8 @@ from hvd_resilient.launch.launcher_output import OutputFacts, Tee
 
 logger = logging.getLogger(__name__)
 SUPERVISOR_RANK = -1
+PROGRESS = ("commit", "memory_commit", "checkpoint_saved")
+"""Events that say a launch trained: what it did is kept, and a relaunch goes on from it."""
 
 
 @dataclass
@@ -41,7 +43,11 @@ class Outcome:
 class Supervisor:
     def __init__(self, cmd: list[str], env: dict[str, str], run_dir: str, *,
                  max_restarts: int = 3, backoff: tuple[float, float] = (1.0, 60.0),
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+                 sleep: Callable[[float], None] = time.sleep,
+                 graceful: signal.Signals | None = None) -> None:
+        """``graceful``: the signal the launcher passes on to every rank as a preemption (the
+        workers' final checkpoint), sent in place of the first SIGTERM or SIGINT. mpirun's own
+        answer to SIGTERM is to kill its ranks, with no time for that checkpoint."""
         self.cmd = cmd
         self.env = env
         self.events_path = Path(run_dir) / "events.jsonl"
@@ -51,10 +57,13 @@ class Supervisor:
         self._sleep = sleep
         self._child: subprocess.Popen | None = None
         self._stopping = False
+        self.graceful = graceful
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         """The supervisor itself is being stopped: pass it on, and do not restart."""
         self._stopping = True
+        if self.graceful is not None and signum in (signal.SIGTERM, signal.SIGINT):
+            signum, self.graceful = self.graceful, None  # once: a second signal is as given
         if self._child is not None and self._child.poll() is None:
             os.killpg(self._child.pid, signum)
 
@@ -76,10 +85,21 @@ class Supervisor:
             tee.thread.join(timeout=5.0)
         return code, facts
 
+    def _delay(self, evs: list[dict], streak: int) -> tuple[float, int]:
+        """Seconds before the next launch, and the count of launches in a row that trained
+        nothing. A launch that committed progress failed on something new (a dead rank under
+        mpirun): at once, every second counts. Backing off is for crash loops, launches that
+        fail before their first commit: 1, 2, 4 s ... up to the maximum."""
+        began = max((e.get("from_step", 0) for e in evs if e["event"] == "resume"), default=0)
+        if any(e["event"] in PROGRESS and e["rank"] >= 0 and e.get("step", 0) > began
+               for e in evs):
+            return 0.0, 0
+        return min(self.backoff[1], self.backoff[0] * 2**streak), streak + 1
+
     def run(self) -> Outcome:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             signal.signal(sig, self._on_signal)
-        attempt = 0
+        attempt = streak = 0
         while True:
             t0 = time.time()
             self.events.emit("launch", attempt=attempt, command=self.cmd[0])
@@ -105,9 +125,9 @@ class Supervisor:
                                "(its output is above)")
             if attempt >= self.max_restarts:
                 return Outcome(code, attempt, f"gave up after {attempt} restarts")
-            delay = min(self.backoff[1], self.backoff[0] * 2**attempt)
+            delay, streak = self._delay(evs, streak)
             preempted = any(e["event"] == "preempted" for e in evs)
-            logger.warning("launcher exited with %d%s; restart %d/%d in %.0fs", code,
+            logger.warning("launcher exited with %d%s; restart %d/%d in %gs", code,
                         " after preemption" if preempted else "", attempt + 1,
                         self.max_restarts, delay)
             self.events.emit("restart", attempt=attempt + 1, delay=delay, exit_code=code,

@@ -31,6 +31,11 @@ def script_imports(path: str) -> list[str]:
     return list(dict.fromkeys(n for n in names if n != "__future__"))
 
 
+NEVER_AHEAD = ("mpi4py",)
+"""Modules a forking process must not import for its children: `mpi4py.MPI` initializes MPI
+on import, and a forked child of an initialized MPI process cannot initialize its own."""
+
+
 def import_script_modules(path: str) -> None:
     """Imports what `path` imports, its own folder's modules too (as `python path` would find
     them). A module that fails here is left to the worker, which imports it again and says
@@ -41,6 +46,8 @@ def import_script_modules(path: str) -> None:
         sys.path.insert(0, folder)
     try:
         for name in script_imports(path):
+            if name.split(".")[0] in NEVER_AHEAD:
+                continue
             try:
                 importlib.import_module(name)
             except Exception:  # noqa: BLE001, S110 - see the docstring

@@ -30,6 +30,7 @@ from hvd_resilient.detect import progress
 from hvd_resilient.detect.progress import ProgressWatchdog
 from hvd_resilient.errors import PREEMPTED_EXIT_CODE
 from hvd_resilient.events import EventLog
+from hvd_resilient.launcher_env import FORKED_ENV
 from hvd_resilient.observability import Observer
 from hvd_resilient.state.sampler import ElasticDataSampler
 from hvd_resilient.training import rss
@@ -137,7 +138,8 @@ class Trainer:
                                            memory_tier=commits)
         rank0 = backend.rank() == 0
         events.emit("start", pid=os.getpid(), host=socket.gethostname(), backend=backend.name,
-                    run_id=cfg.run_id, config=cfg.to_dict() if rank0 else None)
+                    run_id=cfg.run_id, warm=os.environ.get(FORKED_ENV) == str(os.getpid()),
+                    config=cfg.to_dict() if rank0 else None)
         # Resume (or refuse to start); a failure stops every rank at the first sync, never
         # just rank 0 while the others train from scratch over the run's checkpoints.
         durable.start()
@@ -322,6 +324,9 @@ class Trainer:
         with self._dog.section("preemption checkpoint", grace + 5):
             durable.save(blocking=True)
             durable.close(timeout=grace)
+            # Nobody leaves before the writers are done: a launcher that ends a job at its
+            # first exit (mpirun) would kill rank 0 in the middle of the final checkpoint.
+            self.backend.any_rank(False)
         state.events.emit("preempted", seconds=round(time.time() - t0, 3),
                           exit_code=PREEMPTED_EXIT_CODE)
         if self.backend.rank() == 0:

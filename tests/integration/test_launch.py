@@ -201,7 +201,8 @@ def test_mpi_rank_killed_supervisor_restarts_and_ends_bit_identical(tmp_path, jo
     assert job.wait(300) == 0, job.output()[-3000:]
     assert_faults_fired(run, 1)
     evs = events(run / "events.jsonl")
-    assert [e["attempt"] for e in evs if e["event"] == "restart"] == [1]
+    assert [(e["attempt"], e["delay"]) for e in evs if e["event"] == "restart"] == [(1, 0)]
+    assert [e["warm"] for e in evs if e["event"] == "start"] == [True] * 4  # the warm pool's
     resume = resumed_from_last_commit(evs)  # not the durable checkpoint of step 60
     assert 70 - resume["from_step"] <= 5, "more than one commit interval redone"
     digests = {e["params_sha256"] for e in evs if e["event"] == "done"}
@@ -210,30 +211,57 @@ def test_mpi_rank_killed_supervisor_restarts_and_ends_bit_identical(tmp_path, jo
     assert len(ref_digests) == 1 and digests == ref_digests
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_preemption_signal_final_checkpoint_then_restart_loses_nothing(tmp_path, jobs):
+def _preempted_mpi_job(tmp_path, jobs, epochs: int) -> tuple[Path, object]:
+    """An mpi job under `hvd-resilient run` past its first checkpoint."""
     run = tmp_path / "run"
     job = jobs.start([HVD, "run", "--backend", "mpi", "--np", "2", "--run-id", "p",
-                      "--run-dir", str(run), "--", PYTHON, DIGITS, "--epochs", "30",
+                      "--run-dir", str(run), "--", PYTHON, DIGITS, "--epochs", str(epochs),
                       "--commit-every", "5", "--checkpoint-every", "50",
                       "--grace-seconds", "30"], name="preempt")
     wait_for(lambda: any(e["event"] == "checkpoint_saved" for e in events(run / "events.jsonl")),
              180, "a first checkpoint", job)
-    workers = [p for p in job.processes() if p.cmdline()[1:2] == [DIGITS]]
-    assert len(workers) == 2
-    for p in workers:  # what Slurm's --signal=USR1@T and a Kubernetes eviction do: every task
-        p.send_signal(signal.SIGUSR1)
-    assert job.wait(300) == 0, job.output()[-3000:]
-    evs = events(run / "events.jsonl")
+    return run, job
+
+
+def _stopped_at_a_final_checkpoint(evs: list[dict]) -> dict:
+    """Both ranks stopped on the signal, and rank 0's last checkpoint is the stop step."""
     pre = [e for e in evs if e["event"] == "preempted"]
-    assert pre and all(e["exit_code"] == 75 for e in pre)
+    assert sorted(e["rank"] for e in pre) == [0, 1] and all(e["exit_code"] == 75 for e in pre)
     (pre0,) = [e for e in pre if e["rank"] == 0]
     saved_at_stop = max(e["ckpt_step"] for e in evs
                         if e["event"] == "checkpoint_saved" and e["ts"] <= pre0["ts"])
+    assert saved_at_stop == pre0["step"], "work lost at preemption"
+    return pre0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_preemption_signal_final_checkpoint_then_restart_loses_nothing(tmp_path, jobs):
+    run, job = _preempted_mpi_job(tmp_path, jobs, 30)
+    workers = [e["pid"] for e in events(run / "events.jsonl") if e["event"] == "start"]
+    assert len(workers) == 2  # forked from the warm pool: its command line, their own pids
+    for pid in workers:  # what Slurm's --signal=USR1@T and a Kubernetes eviction do: every task
+        os.kill(pid, signal.SIGUSR1)
+    assert job.wait(300) == 0, job.output()[-3000:]
+    evs = events(run / "events.jsonl")
+    pre0 = _stopped_at_a_final_checkpoint(evs)
     (resume,) = [e for e in evs if e["event"] == "resume"]
-    assert resume["from_step"] == pre0["step"] == saved_at_stop, "work lost at preemption"
+    assert resume["from_step"] == pre0["step"], "work lost at preemption"
     assert any(e["event"] == "restart" and e["preempted"] for e in evs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sigterm_to_run_stops_mpi_ranks_at_a_final_checkpoint(tmp_path, jobs):
+    """mpirun answers SIGTERM by killing its ranks at once (we set its grace to 0, so that a
+    dead rank costs no second): `hvd-resilient run` passes the first SIGTERM on as SIGUSR1,
+    which mpirun forwards to every rank, and the job stops as at a preemption."""
+    run, job = _preempted_mpi_job(tmp_path, jobs, 2000)
+    job.proc.send_signal(signal.SIGTERM)
+    assert job.wait(120) == 75, job.output()[-3000:]
+    evs = events(run / "events.jsonl")
+    _stopped_at_a_final_checkpoint(evs)
+    assert not any(e["event"] == "restart" for e in evs), "a stopped run was relaunched"
 
 
 @pytest.mark.slow

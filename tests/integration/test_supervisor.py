@@ -49,3 +49,32 @@ def test_a_plain_failure_is_restarted_and_success_is_success(tmp_path):
     sub.mkdir()
     code, reason, launches = supervise(sub, 0, "", 1)
     assert (code, launches) == (1, 3) and reason == "gave up after 2 restarts"
+
+
+TRAINS = """
+import sys
+from hvd_resilient.events import EventLog
+log = EventLog(sys.argv[1] + "/events.jsonl", rank=0, size=2, step=0)
+log.emit("start")
+log.emit("resume", from_step=40)
+if sys.argv[2] == "trains":
+    log.step_source = 50
+    log.emit("commit")
+sys.exit(1)
+"""
+
+
+def test_a_launch_that_trained_is_relaunched_at_once_and_a_crash_loop_backs_off(tmp_path):
+    """A dead rank under mpirun ends a launch that was training: its relaunch waits for
+    nothing. Launches that fail before they commit past their resume back off, 1 s, 2 s ..."""
+    for case, expected in (("trains", [0.0, 0.0]), ("crashes", [1.0, 2.0])):
+        folder = tmp_path / case
+        folder.mkdir()
+        slept: list[float] = []
+        cmd = [sys.executable, "-c", TRAINS, str(folder), case]
+        Supervisor(cmd, {"PYTHONPATH": str(ROOT)}, str(folder), max_restarts=2,
+                   sleep=slept.append).run()
+        assert slept == expected, case
+        delays = [e["delay"] for e in read_events(folder / "events.jsonl")
+                  if e["event"] == "restart"]
+        assert delays == expected, case

@@ -318,3 +318,31 @@ def test_a_rank_pings_once_per_interval_however_often_its_peers_answer():
     a.disarm()
     b.disarm()
     assert 10 <= got <= 1.0 / a.interval_s + 3, f"{got} pings in 1 s at one per 0.05 s"
+
+
+def test_a_peer_process_of_this_machine_that_ended_is_reported_at_the_next_ping():
+    """Long before any silence counts (timeout 30 s): a dead process on this machine is gone
+    now. The same pid under another machine's view means nothing here and is not judged."""
+    import subprocess
+
+    gone: list = []
+    reported = threading.Event()
+    me = _keep(heartbeat.Heartbeat(
+        30.0, interval_s=0.05, machine="here", on_lost=lambda peers, s: None,
+        on_self_frozen=lambda gap: None, on_cut_off=lambda peers: None,
+        is_cut_off=lambda: False,
+        on_gone=lambda peers: (gone.append([p.rank for p in peers]), reported.set())))
+    victim = subprocess.Popen(["sleep", "60"])
+    far = _mute()
+    try:
+        me.arm(0, [heartbeat.Peer(0, ("127.0.0.1", me.port), "here", 1, view=me.view),
+                   heartbeat.Peer(1, _mute().getsockname(), "here", victim.pid, view=me.view),
+                   heartbeat.Peer(2, far.getsockname(), "there", 1 << 22, view="other:view")])
+        assert not reported.wait(0.5)  # alive: nothing to report
+        victim.kill()  # not reaped: a zombie is ended too
+        assert reported.wait(5.0)
+        assert gone == [[1]]
+    finally:
+        victim.kill()
+        victim.wait()
+        me.disarm()

@@ -117,10 +117,11 @@ def connect(path: str) -> socket.socket | None:
     return None
 
 
-def run_in_pool(cmd: list[str]) -> None:
-    """Has a pool on this machine fork the standby for `cmd` and exits as it does; returns
+def run_in_pool(cmd: list[str], mode: str = "standby") -> None:
+    """Has a pool on this machine fork the worker for `cmd` and exits as it does; returns
     when there is none, or it would not take this command (another Python), so that the
-    caller starts cold."""
+    caller starts cold. ``mode``: "standby" (it waits for the Horovod driver's go at its
+    first init) or "script" (it runs at once: an mpirun rank, `launch/mpi_warm.py`)."""
     for path in candidates(os.environ):
         sock = connect(path)
         if sock is None:
@@ -129,7 +130,7 @@ def run_in_pool(cmd: list[str]) -> None:
         with sock:
             try:
                 send(sock, {"argv": cmd, "env": dict(os.environ), "cwd": os.getcwd(),
-                            "python": this_python()}, [0, 1, 2])
+                            "python": this_python(), "mode": mode}, [0, 1, 2])
                 reply, _ = read_line(sock, pending=pending)
             except OSError:  # a closed standard stream, a pool gone mid-way
                 continue

@@ -6,7 +6,8 @@ It imports what a standby imports (torch, torch._dynamo, Horovod, ours) and, giv
 training command, what its script imports; then it listens on a Unix socket only its own user
 may use. Each launch that connects (`warm_pool.py`, the launch side) hands over its command,
 environment, folder and standard streams; the pool forks a child that takes them on and runs
-the standby's wait-for-release and the script, with nothing left to import.
+the standby's wait-for-release and the script, or the script at once when the launch asks for
+it (an mpirun rank, `launch/mpi_warm.py`), with nothing left to import.
 
 Why fork and not a pool of idle workers: a fork costs a few milliseconds and any number of
 slots can be served, the workers share the imported pages, and no worker exists for a world
@@ -25,6 +26,7 @@ with the driver that started it, or on SIGTERM.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import logging
 import os
@@ -37,6 +39,7 @@ import traceback
 from collections.abc import Callable
 
 from hvd_resilient.launch.horovod import standby, warm_pool
+from hvd_resilient.launcher_env import FORKED_ENV
 
 logger = logging.getLogger("hvd_resilient.launch.horovod.warm_pool_server")  # run as __main__
 
@@ -63,15 +66,19 @@ def refusal(header: dict, peer: tuple[int, int]) -> str:
         return f"another Python ({header.get('python')})"
     if not isinstance(header.get("argv"), list) or not isinstance(header.get("env"), dict):
         return "a malformed request"
+    if header.get("mode", "standby") not in ("standby", "script"):
+        return f"an unknown mode {header.get('mode')!r}"
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return "CUDA initialized in the pool (no fork)"
+    if "mpi4py.MPI" in sys.modules:
+        return "MPI initialized in the pool (no fork)"
     return ""
 
 
 class Pool:
-    """The listening pool; `run(cmd)` is what a forked worker does (the standby's
-    wait-for-release, then the script)."""
+    """The listening pool; `run(cmd)` is what a forked standby does (the standby's
+    wait-for-release, then the script); a launch in "script" mode runs its script at once."""
 
     def __init__(self, path: str, run: Callable[[list[str]], None] = standby.released_run
                  ) -> None:
@@ -151,7 +158,7 @@ class Pool:
         return pid
 
     def _become_worker(self, conn: socket.socket, fds: list[int], header: dict) -> None:
-        code = 1
+        code, script = 1, header.get("mode") == "script"
         try:
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
                 signal.signal(sig, signal.SIG_DFL)
@@ -165,6 +172,7 @@ class Pool:
             os.chdir(header["cwd"])
             os.environ.clear()
             os.environ.update(header["env"])
+            os.environ[FORKED_ENV] = str(os.getpid())
             # as `python` would have set them up: the script's folder (run_in_process) or the
             # launch's for -m, then PYTHONPATH; logging unconfigured, so that the script's own
             # basicConfig is not a no-op
@@ -174,7 +182,7 @@ class Pool:
             logging.root.handlers.clear()
             logging.root.setLevel(logging.WARNING)
             _die_with_launch(conn)
-            self.run(list(header["argv"]))
+            (standby.run_in_process if script else self.run)(list(header["argv"]))
             code = 0
         except SystemExit as e:
             if e.code is None or isinstance(e.code, int):
@@ -184,6 +192,10 @@ class Pool:
         except BaseException:  # noqa: BLE001 - the worker's traceback, as Python prints it
             traceback.print_exc()
         finally:
+            if script:  # as the interpreter's exit would (os._exit below skips it)
+                with contextlib.suppress(Exception):
+                    atexit._run_exitfuncs()
+                _finalize_mpi()
             with contextlib.suppress(Exception):
                 sys.stdout.flush()
                 sys.stderr.flush()
@@ -216,6 +228,18 @@ class Pool:
             self.sel.unregister(self.listener)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+
+
+def _finalize_mpi() -> None:
+    """mpi4py finalizes MPI at the interpreter's exit from C (`Py_AtExit`), which `os._exit`
+    skips, and mpirun takes a rank that ends without MPI_Finalize for a failed one ("exiting
+    improperly"): the job would fail at its end."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None:
+        return
+    with contextlib.suppress(Exception):
+        if mpi.Is_initialized() and not mpi.Is_finalized():
+            mpi.Finalize()
 
 
 def _die_with_launch(conn: socket.socket) -> None:
