@@ -6,8 +6,8 @@ mpirun cannot lose a rank: one dead rank ends the job, and `hvd-resilient run` r
 from the last commit. Measured here (2 ranks, examples/digits.py), 2.8 s of the 5.3 s from a
 kill to the first step went to the relaunched ranks importing torch, Horovod and the script's
 libraries. `hvd-resilient run --launcher mpi` therefore starts a warm pool on its machine
-(`launch/horovod/warm_pool_server.py`, in its plain mode: the script runs at once, no
-standby wait) before the first launch, and mpirun starts each rank through this module: a
+(`launch/horovod/warm_pool_server.py`, asked in "script" mode: the script runs at once,
+with no standby wait) before the first launch, and mpirun starts each rank through this module: a
 stdlib-only stand-in that hands the pool its command, environment, folder and standard
 streams, and then stands in for the forked rank until it ends (signals passed on, its exit
 code or signal taken on). mpirun and its daemons see the stand-in; MPI itself is initialized
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 
 from hvd_resilient.launch.horovod import warm_pool
 from hvd_resilient.launch.horovod.standby import runnable_here
@@ -30,7 +31,7 @@ ENV = "HVD_RESILIENT_MPI_WARM"
 """`0`: `hvd-resilient run --launcher mpi` starts no pool, and every rank starts cold."""
 
 
-def enabled(env: dict[str, str] | os._Environ[str]) -> bool:
+def enabled(env: Mapping[str, str]) -> bool:
     return env.get(ENV, "1") != "0"
 
 
