@@ -212,7 +212,7 @@ class Heartbeat:
     def _gone(self) -> list[Peer]:
         """Watched peers of this machine whose process has ended (gone, or a zombie)."""
         return [p for p in self._peers if same_host(p, self.machine, self.view)
-                and process_state(p.pid) in ("", "Z", "X")]
+                and process_state(p.pid) in ENDED]
 
     def _falling_silent_together(self, silent: list[Peer], now: float) -> bool:
         """True when the peers not yet silent for the timeout have been silent for nearly as
@@ -284,6 +284,8 @@ class Heartbeat:
 
 STOPPED = ("T", "t")
 """Process states of a stopped process (SIGSTOP, a debugger)."""
+ENDED = ("", "Z", "X")
+"""What /proc says of a process that has ended: nothing (gone), a zombie, or dead."""
 
 
 def process_state(pid: int) -> str:
@@ -320,7 +322,7 @@ def same_host(p: Peer, machine: str, view: str) -> bool:
 
 
 def _running(pid: int) -> bool:
-    return process_state(pid) not in ("", *STOPPED, "Z", "X")
+    return process_state(pid) not in (*ENDED, *STOPPED)
 
 
 def probe(address: tuple[str, int], timeout: float = 0.5) -> bool:
