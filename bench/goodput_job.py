@@ -77,7 +77,7 @@ class LoggedTorchState(hvd.elastic.TorchState):
 def run_ours(model: nn.Module, opt: torch.optim.Optimizer, n_windows: int, a: argparse.Namespace,
              events: EventLog, train_step: TrainStep) -> None:
     state = ElasticState(model, opt, sampler=ElasticDataSampler(n_windows, seed=a.seed),
-                         seed=a.seed, events=events)
+                         seed=a.seed, events=events, host_check_every=a.host_check_every)
 
     @hvd_resilient.run
     def train(state: ElasticState) -> None:
@@ -132,6 +132,8 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-steps", type=int, default=0, help="0: train until killed")
+    p.add_argument("--host-check-every", type=int, default=1,
+                   help="ours: host_change_pending asks every N steps (0: never)")
     a = p.parse_args()
 
     hvd.init()

@@ -137,6 +137,7 @@ class Scenario:
     durable_only: bool = False  # the second stack is ours with the memory tier off, not vanilla
     resume_from: str = "memory"  # durable_only: where ours must resume from (expected_source)
     busy: int = 0  # processes spinning on a core beside the job (a busy neighbour)
+    run_args: list[str] = field(default_factory=list)  # `hvd-resilient run` flags, for ours
 
 
 def scenarios() -> list[Scenario]:
@@ -205,6 +206,11 @@ def scenarios() -> list[Scenario]:
                  "workers get no signal (as over ssh), commit every 10, no durable "
                  "checkpoint yet", "localhost:2", 2, 2, 2, fault="hang:rank=0:step=153",
                  kind="horovod_driver", train_args=MEMORY_ARGS, durable_only=True),
+        Scenario("horovodrun_driver_killed_memory_pool",
+                 "the same with --warm-pool: the supervisor's pool forks the relaunched "
+                 "driver's workers", "localhost:2", 2, 2, 2, fault="hang:rank=0:step=153",
+                 kind="horovod_driver", train_args=MEMORY_ARGS, durable_only=True,
+                 run_args=["--warm-pool"]),
         Scenario("torchrun_host_lost_memory",
                  "torchrun, 2 nodes x 1 worker on loopback, all kill -9, node 1's memory "
                  "wiped (host replaced), commit every 10, no durable checkpoint yet", "",
@@ -418,7 +424,9 @@ def run_relaunched(sc: Scenario, stack: str, run: Path, timeout: float) -> dict[
             launched = [jobs.start(supervised_cmd(
                 sc, stack, run, ["--launcher", "horovod", "--discovery", str(discover),
                                  "--min-np", str(sc.min_np), "--max-np", str(sc.max_np),
-                                 "--network-interface", "lo"]), env=env[0], name="console")]
+                                 "--network-interface", "lo",
+                                 *(sc.run_args if stack == "ours" else [])]),
+                       env=env[0], name="console")]
         else:
             launched = nodes()
         if wait_until(lambda: any(run.glob(".fault-*")), timeout, launched[0].proc):
@@ -457,10 +465,12 @@ def kill_driver(job: Job) -> None:
     first, every process the driver forked: Horovod's middlemen, which SIGTERM their local
     workers when the driver dies (a local worker then stops with a final durable checkpoint,
     and the tier is not needed). Without them the workers get no signal, as on a host reached
-    over ssh: they find the driver gone (driver_watch: about 5 s) and exit, their commits kept
-    in the memory tier."""
+    over ssh, and those on the driver's machine find it gone in /proc (driver_watch) and exit,
+    their commits kept in the memory tier. The supervisor's warm pool (--warm-pool) is its
+    other child, and lives on."""
     for driver in psutil.Process(job.proc.pid).children():
-        kill([*driver.children(), driver])
+        if "warm_pool_server" not in " ".join(driver.cmdline()):
+            kill([*driver.children(), driver])
 
 
 def kill(procs: list[psutil.Process]) -> None:

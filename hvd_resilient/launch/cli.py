@@ -30,6 +30,7 @@ from hvd_resilient.launch.commands import (
 )
 from hvd_resilient.launch.horovod import warm_pool
 from hvd_resilient.launch.horovod.command import ElasticLaunch, horovodrun_command
+from hvd_resilient.launch.horovod.standby import runnable_here
 from hvd_resilient.launch.horovod.warm_pool_server import Started
 from hvd_resilient.launch.run_options import LAUNCHERS, RUN
 from hvd_resilient.launch.supervisor import Supervisor
@@ -234,19 +235,28 @@ def launcher_command(opts: dict[str, Any], env_names: list[str]) -> list[str]:
     return horovodrun_static(opts["np"], hosts, opts.get("network_interface"), train)
 
 
-def start_mpi_pool(opts: dict[str, Any], env: dict[str, str]) -> Started | None:
-    """mpirun relaunches every rank after a failure: a warm pool on this machine forks this
-    machine's ranks of every launch with their imports done (`launch/mpi_warm.py`). Ready
-    before the first launch: its imports are the ones the ranks would do, once. None: not
-    mpi, turned off, or the pool did not come up (the ranks start cold, and say nothing)."""
-    if opts["launcher"] != "mpi" or not mpi_warm.enabled(env) \
-            or mpi_warm.wrap(opts["command"]) == opts["command"]:
+def start_pool(opts: dict[str, Any], env: dict[str, str]) -> Started | None:
+    """This machine's warm pool, held here across launches: mpirun relaunches every rank after
+    a failure, and a relaunched horovodrun driver every worker; both fork this machine's
+    ranks from it with their imports done (`launch/mpi_warm.py`, the standby stand-in). Held
+    by the driver, Horovod's pool died with it, and a relaunch started cold. Ready before the
+    first launch: its imports are the ones the ranks would do, once. None: not wanted (mpi
+    turned off with HVD_RESILIENT_MPI_WARM=0, Horovod without --warm-pool or not elastic), a
+    command it cannot serve, or a pool that did not come up (the ranks start cold)."""
+    cmd = opts["command"]
+    if opts["launcher"] == "mpi":
+        wanted = mpi_warm.enabled(env) and mpi_warm.wrap(cmd) != cmd
+    else:
+        elastic = bool(opts.get("discovery")) or elastic_hosts(opts)
+        wanted = opts["launcher"] == "horovod" and opts["warm_pool"] and elastic \
+            and runnable_here(cmd)
+    if not wanted:
         return None
-    pool = Started(opts["command"])
+    pool = Started(cmd)
     if not pool.wait_ready():
         pool.stop()
         return None
-    env[warm_pool.SOCKET_ENV] = pool.path  # forwarded to the ranks (-x, an HVD_RESILIENT_ name)
+    env[warm_pool.SOCKET_ENV] = pool.path  # mpirun forwards it (-x); the driver's env has it
     return pool
 
 
@@ -350,7 +360,7 @@ def main(argv: list[str]) -> int:
     if opts["fresh_start"]:
         print(fresh_start(opts["checkpoint"]), flush=True)
     Path(opts["run_dir"]).mkdir(parents=True, exist_ok=True)
-    pool = start_mpi_pool(opts, env)
+    pool = start_pool(opts, env)
     if pool is not None:  # its socket is one more name for mpirun to forward
         cmd = launcher_command(opts, sorted(k for k in env if k.startswith(FORWARDED_PREFIXES)))
     try:

@@ -143,6 +143,54 @@ def test_horovodrun_driver_killed_relaunch_resumes_from_memory(tmp_path, jobs,
     assert segments(memory_tier_dir) == []
 
 
+def test_horovodrun_driver_lost_over_ssh_relaunch_forks_from_the_supervisors_warm_pool(
+        tmp_path, jobs, memory_tier_dir):
+    """The driver and its middlemen SIGKILLed: the workers get no signal, as over ssh. Those
+    on the driver's machine find its process gone in /proc (not after five failed probes),
+    exit with their commits in memory, and the relaunched driver's workers are forked from
+    the pool `hvd-resilient run --warm-pool` holds across launches (the driver's own pool
+    would have died with it). The run ends bit-identical to one never killed."""
+    from tests.support.jobs import write_discovery
+
+    _, discover = write_discovery(tmp_path, "localhost:2")
+
+    def launch(name: str, *flags: str):
+        run = tmp_path / name
+        return run, jobs.start(
+            [HVD, "run", "--launcher", "horovod", "--discovery", str(discover), "--np", "2",
+             "--min-np", "2", "--max-np", "2", "--network-interface", "lo", *flags,
+             "--run-id", name, "--run-dir", str(run), "--max-restarts", "2", "--", PYTHON,
+             DIGITS, "--epochs", "6", "--commit-every", "5", "--checkpoint-every", "1000",
+             "--seed", "4"], name=name)
+
+    ref, job = launch("ref")
+    assert job.wait(300) == 0, job.output()[-3000:]
+    (reference,) = digests(ref)
+
+    run, job = launch("run", "--warm-pool")
+    commits = lambda: [e["ckpt_step"] for e in events(run / "events.jsonl")  # noqa: E731
+                       if e["event"] == "memory_commit"]
+    wait_for(lambda: any(s >= 40 for s in commits()), 240, "a commit at step >= 40", job)
+    kids = psutil.Process(job.proc.pid).children()
+    (driver,) = [k for k in kids if "warm_pool_server" not in " ".join(k.cmdline())]
+    for p in [*driver.children(), driver]:  # the middlemen first: no SIGTERM reaches a worker
+        p.kill()
+    assert job.wait(300) == 0, job.output()[-3000:]
+    evs = events(run / "events.jsonl")
+    assert [e["attempt"] for e in evs if e["event"] == "restart"] == [1]
+    (restart,) = [e for e in evs if e["event"] == "restart"]
+    lost = [e for e in evs if e["event"] == "driver_lost"]
+    assert sorted(e["rank"] for e in lost) == [0, 1], lost
+    assert {e["found_by"] for e in lost} == {"process"}, lost
+    pools = [e for e in evs if e["event"] == "warm_pool_ready"]
+    assert [e.get("held_by") for e in pools] == ["supervisor", "supervisor"], pools
+    relaunched = [e for e in evs if e["event"] == "start" and e["ts"] > restart["ts"]]
+    assert len(relaunched) == 2 and all(e.get("warm") for e in relaunched), relaunched
+    resumed_from_last_commit(evs)
+    assert digests(run) == {reference}, "the resumed run is not bit-identical"
+    assert segments(memory_tier_dir) == []
+
+
 def test_torchrun_a_node_without_its_copy_fetches_the_peers(tmp_path, jobs):
     """Two torchrun nodes (agents) on this machine, each with its own memory tier folder, as
     two hosts would have. Everything is SIGKILLed, the second node's memory is wiped (a

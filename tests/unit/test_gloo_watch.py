@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -143,3 +146,37 @@ def test_driver_watch_calls_lost_after_consecutive_failed_probes():
     assert driver_watch.driver_address({"HOROVOD_GLOO_RENDEZVOUS_ADDR": "10.0.0.1",
                                         "HOROVOD_GLOO_RENDEZVOUS_PORT": "4444"}) == (
         "10.0.0.1", 4444)
+
+
+def test_driver_watch_finds_a_local_driver_ended_in_proc_while_its_port_still_answers():
+    """A worker on the driver's machine needs no five failed probes: the driver's process
+    ended is seen in /proc at once. Here the port stays open (another process holds it), so
+    only the process check can fire."""
+    from hvd_resilient.backends.horovod import driver_watch
+
+    server = socket.create_server(("127.0.0.1", 0))
+    driver = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        env = {driver_watch.DRIVER_ENV: driver_watch.identity(driver.pid)}
+        local = driver_watch.local_driver(env)
+        assert local == (driver.pid, env[driver_watch.DRIVER_ENV].rsplit("|", 1)[1])
+        lost, stop = threading.Event(), threading.Event()
+        t = threading.Thread(target=driver_watch.watch,
+                             args=(server.getsockname()[:2], lost.set, stop, 30.0, 5),
+                             kwargs={"local": local})
+        t.start()
+        assert not lost.wait(0.5), "a live driver was taken for lost"
+        driver.kill()
+        driver.wait()
+        assert lost.wait(2), "an ended local driver was not noticed"
+        t.join(5)
+        assert driver_watch.ended((os.getpid(), "0")), "a pid reused by another process"
+        assert not driver_watch.ended(driver_watch.local_driver(
+            {driver_watch.DRIVER_ENV: driver_watch.identity()}))
+    finally:
+        driver.kill()
+        server.close()
+    # Another machine (or namespace), or a driver that did not say: the probes decide.
+    elsewhere = "other-boot:1:2:3|" + env[driver_watch.DRIVER_ENV].split("|", 1)[1]
+    assert driver_watch.local_driver({driver_watch.DRIVER_ENV: elsewhere}) is None
+    assert driver_watch.local_driver({}) is None

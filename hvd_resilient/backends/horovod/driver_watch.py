@@ -7,6 +7,13 @@ therefore probes the driver's rendezvous server (the address Horovod gives it) o
 failed connections in a row (a refused connection is immediate when the driver's host is up)
 mean the driver is gone, and the worker exits with DRIVER_LOST_EXIT_CODE after saying so. A
 partitioned host is treated the same way: it cannot rejoin its job anyway.
+
+Five seconds is the price of telling a dead driver from a slow link over the network. A worker
+that shares the driver's kernel, process table and network (`heartbeat.this_view`; the driver
+started by `hvd-resilient run` says who it is in DRIVER_ENV) needs no such margin: it looks the
+driver's process up in /proc five times a second, and an ended driver is known in 0.2 s. The
+supervisor relaunches only when the old workers are gone (they hold the launch's output), so
+those 5 s were the relaunch's delay.
 """
 
 from __future__ import annotations
@@ -14,8 +21,10 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 
+from hvd_resilient.detect.heartbeat import ENDED, this_view
 from hvd_resilient.detect.heartbeat import probe as reachable
 from hvd_resilient.errors import DRIVER_LOST_EXIT_CODE, exit_now
 from hvd_resilient.events import EventLog
@@ -28,6 +37,10 @@ PROBE_TIMEOUT_S = 2.0
 and resent after 1 s, which must not read as a lost driver (seen with a 256 kbit tbf link).
 A killed driver refuses at once, so it is still found in about LOST_AFTER seconds; a cut-off
 host is found sooner by the heartbeats (`detect/heartbeat.py`)."""
+LOOK_EVERY_S = 0.2
+"""How often a worker on the driver's machine looks the driver's process up in /proc."""
+DRIVER_ENV = "HVD_RESILIENT_DRIVER_PROCESS"
+"""`identity()` of the driver process, set by `launch/horovod/driver.py` for its workers."""
 
 _started = False
 _lock = threading.Lock()
@@ -40,14 +53,68 @@ def driver_address(env: dict[str, str] | os._Environ[str] = os.environ) -> tuple
     return addr, int(port)
 
 
+def identity(pid: int | None = None) -> str:
+    """Who a process is, for a process of the same view to look up: its view, pid and start
+    time (a pid reused by a later process is not the driver). "" when /proc cannot say."""
+    pid = os.getpid() if pid is None else pid
+    view, (_, start) = this_view(), _stat(pid)
+    return f"{view}|{pid}|{start}" if view and start else ""
+
+
+Driver = tuple[int, str]
+"""A driver process as this machine's /proc names it: pid and start time."""
+
+
+def local_driver(env: dict[str, str] | os._Environ[str] = os.environ) -> Driver | None:
+    """The driver when this process can look it up in /proc (same kernel, process table and
+    network), else None: another machine, a driver that did not say who it is, or a /proc that
+    hides it (then the probes alone decide)."""
+    view, _, rest = env.get(DRIVER_ENV, "").partition("|")
+    pid, _, start = rest.partition("|")
+    if not view or view != this_view() or not pid.isdigit() or not start:
+        return None
+    _, now = _stat(int(pid))
+    if not now and os.path.isdir(f"/proc/{pid}"):
+        return None  # there but unreadable
+    return int(pid), start
+
+
+def ended(driver: Driver) -> bool:
+    """Gone, a zombie, or its pid taken by a later process."""
+    state, start = _stat(driver[0])
+    return state in ENDED or start != driver[1]
+
+
 def watch(address: tuple[str, int], on_lost: Callable[[], None], stop: threading.Event,
-          every: float = PROBE_EVERY_S, lost_after: int = LOST_AFTER) -> None:
+          every: float = PROBE_EVERY_S, lost_after: int = LOST_AFTER,
+          local: Driver | None = None) -> None:
+    """Probes `address` every `every` s; with `local`, also looks that process up every
+    LOOK_EVERY_S (or `every`, if smaller): either way of finding the driver gone ends it."""
     failures = 0
-    while not stop.wait(every):
+    tick = every if local is None else min(every, LOOK_EVERY_S)
+    next_probe = time.monotonic() + every
+    while not stop.wait(tick):
+        if local is not None and ended(local):
+            on_lost()
+            return
+        if time.monotonic() < next_probe:
+            continue
+        next_probe = time.monotonic() + every
         failures = 0 if reachable(address, timeout=PROBE_TIMEOUT_S) else failures + 1
         if failures >= lost_after:
             on_lost()
             return
+
+
+def _stat(pid: int) -> tuple[str, str]:
+    """State letter and start time (field 22: clock ticks since boot) from /proc/PID/stat;
+    ("", "") when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0], fields[19]
+    except (OSError, IndexError):
+        return "", ""
 
 
 def start(events: EventLog) -> bool:
@@ -59,12 +126,16 @@ def start(events: EventLog) -> bool:
             return False
         _started = True
 
+    local = local_driver()
+
     def lost() -> None:
-        events.emit("driver_lost", driver=f"{address[0]}:{address[1]}")
+        events.emit("driver_lost", driver=f"{address[0]}:{address[1]}",
+                    found_by="process" if local is not None and ended(local) else "probes")
         logger.error("the horovodrun driver at %s:%d is gone; exiting (code %d) so that no "
                   "orphaned worker trains on beside a relaunch", *address, DRIVER_LOST_EXIT_CODE)
         exit_now(DRIVER_LOST_EXIT_CODE)
 
-    threading.Thread(target=watch, args=(address, lost, threading.Event()), daemon=True,
+    threading.Thread(target=watch, args=(address, lost, threading.Event()),
+                     kwargs={"local": local}, daemon=True,
                      name="hvd-resilient-driver-watch").start()
     return True

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from hvd_resilient.backends.horovod import compat
+from hvd_resilient.backends.horovod import compat, driver_watch
 from hvd_resilient.errors import FATAL_EXIT_CODE, LaunchError
 from hvd_resilient.fatal_events import EVENTS_FILE, fatal_events
 from hvd_resilient.launch.horovod import patches
@@ -39,6 +39,9 @@ def prepare(argv: list[str]) -> PatchContext:
     compat.check_compatible(driver=True)
     ctx = PatchContext(DriverOptions.read(argv=argv))
     patches.install(ctx)
+    me = driver_watch.identity()
+    if me:  # this machine's workers find this process gone in /proc, not after five probes
+        os.environ[driver_watch.DRIVER_ENV] = me
     threading.excepthook = thread_excepthook(ctx)
     return ctx
 

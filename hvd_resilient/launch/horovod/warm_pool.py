@@ -117,6 +117,19 @@ def connect(path: str) -> socket.socket | None:
     return None
 
 
+def alive(path: str) -> bool:
+    """Whether a pool of this user listens at `path` (a ping: it forks nothing)."""
+    s = connect(path) if path and os.path.exists(path) else None
+    if s is None:
+        return False
+    with s:
+        try:
+            send(s, {"ping": True})
+        except OSError:
+            return False
+    return True
+
+
 def run_in_pool(cmd: list[str], mode: str = "standby") -> None:
     """Has a pool on this machine fork the worker for `cmd` and exits as it does; returns
     when there is none, or it would not take this command (another Python), so that the

@@ -285,9 +285,7 @@ class Started:
         """Whether the pool listens (its imports done) before it ended or `timeout_s` passed."""
         deadline = time.monotonic() + timeout_s
         while self.proc.poll() is None and time.monotonic() < deadline:
-            if os.path.exists(self.path) and (s := warm_pool.connect(self.path)) is not None:
-                with s:
-                    warm_pool.send(s, {"ping": True})
+            if warm_pool.alive(self.path):
                 return True
             time.sleep(0.05)
         return False

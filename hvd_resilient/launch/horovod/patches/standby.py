@@ -205,6 +205,10 @@ class Standby:
         waits for its imports instead of doing them in each worker)."""
         from hvd_resilient.launch.horovod import warm_pool, warm_pool_server
 
+        if warm_pool.alive(os.environ.get(warm_pool.SOCKET_ENV, "")):
+            # `hvd-resilient run` holds it across launches: a relaunched driver forks warm too
+            self.ctx.emit("warm_pool_ready", seconds=0.0, held_by="supervisor")
+            return None
         t0 = time.monotonic()
         pool = warm_pool_server.Started(cmd)
         if not pool.wait_ready():
