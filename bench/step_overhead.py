@@ -7,8 +7,11 @@ the steps of a job that never fails. Here `bench/goodput_job.py` (the tiny trans
 the same launchers as the goodput benchmark (one-slot host names of this machine, ours through
 `hvd_resilient.launch.horovod.driver` as `hvd-resilient run` starts it, vanilla through
 `horovodrun`), in turns: ours, ours without the per-step host check
-(`host_check_every=0`), vanilla, repeated. The rate is rank 0's steps per second between its
-commit at a fifth of the run (start-up and warm-up excluded) and its last commit.
+(`host_check_every=0`), vanilla, the order rotated at each repeat (this VM's speed drifts by
+tens of per cent within minutes: whoever ran first in every repeat was slowest in one run of
+this script). The rate is rank 0's steps per second between its commit at a fifth of the run
+(start-up and warm-up excluded) and its last commit; "paired" is each run's rate over the
+vanilla run of the same repeat, the median of those.
 
 Usage: ``.venv/bin/python bench/step_overhead.py --repeats 3`` (9 runs of about 100 s on two
 cores). Prints a markdown table and writes ``bench/results/step_overhead.json``.
@@ -82,13 +85,14 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def table(results: dict[str, Any]) -> str:
     base = results["configs"]["vanilla"]["summary"]["median"]
-    lines = ["| stack | runs (finished) | steps/s: median / min / max | median vs vanilla |",
-             "| --- | --- | --- | --- |"]
+    lines = ["| stack | runs (finished) | steps/s: median / min / max | median vs vanilla "
+             "| paired vs vanilla (median) |", "| --- | --- | --- | --- | --- |"]
     for name, c in results["configs"].items():
         s = c["summary"]
         ratio = f"{s['median'] / base:.2f}" if s["median"] and base else "-"
+        paired = f"{s['paired']:.2f}" if s["paired"] else "-"
         lines.append(f"| {name} | {s['runs']} ({s['finished']}) | {s['median']:.2f} / "
-                     f"{s['min']:.2f} / {s['max']:.2f} | {ratio} |")
+                     f"{s['min']:.2f} / {s['max']:.2f} | {ratio} | {paired} |")
     return "\n".join(lines)
 
 
@@ -107,14 +111,19 @@ def main() -> int:
     }
     try:
         for i in range(a.repeats):  # in turns: the machine's drift is shared by every stack
-            for name, stack, every in CONFIGS:
+            for name, stack, every in CONFIGS[i % 3:] + CONFIGS[:i % 3]:
                 r = run_once(stack, every, a.steps, work)
+                r["repeat"] = i
                 print(f"{name} #{i + 1}: {json.dumps(r)}", flush=True)
                 results["configs"][name]["runs"].append(r)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    vanilla = {r["repeat"]: r["steps_per_s"] for r in results["configs"]["vanilla"]["runs"]}
     for c in results["configs"].values():
         c["summary"] = summarize(c["runs"])
+        paired = [r["steps_per_s"] / vanilla[r["repeat"]] for r in c["runs"]
+                  if r["steps_per_s"] and vanilla.get(r["repeat"])]
+        c["summary"]["paired"] = statistics.median(paired) if paired else None
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(results, indent=1) + "\n")
     print(table(results))
