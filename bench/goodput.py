@@ -174,25 +174,34 @@ def inject(events: list[dict[str, Any]], victims: random.Random, t0: float) -> d
     return fault
 
 
+def job_launch(run: Path, stack: str, launcher_args: list[str], job_args: list[str]
+               ) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of one job in `run`: `goodput_job.py JOB_ARGS` on this
+    machine's one-slot host names under ours (what `hvd-resilient run` starts: Horovod's
+    launcher with slot hosts) or plain horovodrun, the same hosts and launcher flags."""
+    names = local_names()
+    _, discover = write_discovery(run, "\n".join(f"{n}:1" for n in names))
+    launcher = ([sys.executable, "-m", "hvd_resilient.launch.horovod.driver"]
+                if stack == "ours" else [str(VENV_BIN / "horovodrun")])
+    cmd = [
+        *launcher, "-np", str(len(names)), "--min-np", "1",
+        "--max-np", str(len(names)), "--host-discovery-script", str(discover),
+        "--network-interface", "lo", "--blacklist-cooldown-range", "1", "2", *launcher_args,
+        sys.executable, str(JOB), "--run-dir", str(run), "--stack", stack, *job_args,
+    ]
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}:{os.environ.get('PYTHONPATH', '')}",
+               PATH=f"{VENV_BIN}:{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1")
+    env.pop("HVD_RESILIENT_FAULT", None)  # the faults come from the benchmark, not the job
+    return cmd, env
+
+
 def run_once(cfg: Config, a: argparse.Namespace, work: Path, victims: random.Random
              ) -> dict[str, Any]:
     run = work / f"{cfg.stack}-{cfg.period or 0:g}-{time.time_ns()}"
     run.mkdir(parents=True)
-    names = local_names()
-    _, discover = write_discovery(run, "\n".join(f"{n}:1" for n in names))
-    # ours: what `hvd-resilient run` starts (Horovod's launcher with slot hosts); the same hosts
-    launcher = ([sys.executable, "-m", "hvd_resilient.launch.horovod.driver"]
-                if cfg.stack == "ours" else [str(VENV_BIN / "horovodrun")])
-    cmd = [
-        *launcher, "-np", str(len(names)), "--min-np", "1",
-        "--max-np", str(len(names)), "--host-discovery-script", str(discover),
-        "--network-interface", "lo", "--blacklist-cooldown-range", "1", "2", *cfg.launcher_args,
-        sys.executable, str(JOB), "--run-dir", str(run), "--stack", cfg.stack,
-        "--batch-size", str(a.batch_size), "--commit-every", str(a.commit_every),
-    ]
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}:{os.environ.get('PYTHONPATH', '')}",
-               PATH=f"{VENV_BIN}:{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1")
-    env.pop("HVD_RESILIENT_FAULT", None)  # the faults come from here, not from the job
+    cmd, env = job_launch(run, cfg.stack, list(cfg.launcher_args),
+                          ["--batch-size", str(a.batch_size), "--commit-every",
+                           str(a.commit_every)])
     events_path = run / "events.jsonl"
     load_before = os.getloadavg()
     launched = time.time()

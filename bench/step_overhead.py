@@ -36,12 +36,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
-from recovery import local_names, write_discovery  # noqa: E402
+from goodput import job_launch  # noqa: E402
+from recovery import local_names  # noqa: E402
 
 from hvd_resilient.events import read_events  # noqa: E402
 
-VENV_BIN = Path(sys.executable).parent
-JOB = ROOT / "bench" / "goodput_job.py"
 RESULTS = ROOT / "bench" / "results"
 CONFIGS = (("ours", "ours", 1), ("ours, no host check", "ours", 0), ("vanilla", "vanilla", 1))
 
@@ -49,18 +48,8 @@ CONFIGS = (("ours", "ours", 1), ("ours, no host check", "ours", 0), ("vanilla", 
 def run_once(stack: str, host_check_every: int, steps: int, work: Path) -> dict[str, Any]:
     run = work / f"{stack}-{host_check_every}-{time.time_ns()}"
     run.mkdir(parents=True)
-    names = local_names()
-    _, discover = write_discovery(run, "\n".join(f"{n}:1" for n in names))
-    launcher = ([sys.executable, "-m", "hvd_resilient.launch.horovod.driver"]
-                if stack == "ours" else [str(VENV_BIN / "horovodrun")])
-    cmd = [*launcher, "-np", str(len(names)), "--min-np", "1", "--max-np", str(len(names)),
-           "--host-discovery-script", str(discover), "--network-interface", "lo",
-           "--blacklist-cooldown-range", "1", "2", sys.executable, str(JOB),
-           "--run-dir", str(run), "--stack", stack, "--commit-every", "10",
-           "--max-steps", str(steps), "--host-check-every", str(host_check_every)]
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}:{os.environ.get('PYTHONPATH', '')}",
-               PATH=f"{VENV_BIN}:{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1")
-    env.pop("HVD_RESILIENT_FAULT", None)
+    cmd, env = job_launch(run, stack, [], ["--commit-every", "10", "--max-steps", str(steps),
+                                           "--host-check-every", str(host_check_every)])
     load_before = os.getloadavg()[0]
     t0 = time.time()
     with open(run / "console.log", "wb") as log:
@@ -71,7 +60,7 @@ def run_once(stack: str, host_check_every: int, steps: int, work: Path) -> dict[
     first = len(commits) // 5
     rate = ((len(commits) - 1 - first) * 10 / (commits[-1] - commits[first])
             if len(commits) > first + 1 else None)
-    return {"rc": rc, "wall_s": round(time.time() - t0, 2), "workers": len(names),
+    return {"rc": rc, "wall_s": round(time.time() - t0, 2), "workers": len(local_names()),
             "commits": len(commits), "steps_per_s": round(rate, 3) if rate else None,
             "load_before": load_before}
 

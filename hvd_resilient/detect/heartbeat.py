@@ -288,14 +288,21 @@ ENDED = ("", "Z", "X")
 """What /proc says of a process that has ended: nothing (gone), a zombie, or dead."""
 
 
+def process_stat(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (the state letter first, then as
+    proc(5) numbers them from 3); [] when it cannot be read (gone, or not this machine's)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
 def process_state(pid: int) -> str:
     """The process's state letter from /proc (R, S, D, T, Z, ...); "" when it cannot be read
     (gone, or not this machine's /proc)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
+    fields = process_stat(pid)
+    return fields[0] if fields else ""
 
 
 def this_view() -> str:

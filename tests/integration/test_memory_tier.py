@@ -100,30 +100,38 @@ def test_a_corrupt_memory_copy_is_skipped_and_the_one_before_is_used(tmp_path, j
 
 
 def _driver(job) -> psutil.Process:
-    """The supervisor's one child: horovodrun's driver."""
-    (kid,) = psutil.Process(job.proc.pid).children()
+    """The supervisor's one child that is not its warm pool: horovodrun's driver."""
+    (kid,) = [k for k in psutil.Process(job.proc.pid).children()
+              if "warm_pool_server" not in " ".join(k.cmdline())]
     assert "horovod" in " ".join(kid.cmdline()), kid.cmdline()
     return kid
 
 
+def digits_run(jobs, tmp: Path, name: str, *flags: str):
+    """`hvd-resilient run FLAGS` of examples/digits.py, commits every 5 steps and durable
+    checkpoints only every 1000: (run folder, job)."""
+    run = tmp / name
+    return run, jobs.start(
+        [HVD, "run", *flags, "--network-interface", "lo", "--run-id", name, "--run-dir",
+         str(run), "--max-restarts", "2", "--", PYTHON, DIGITS, "--epochs", "6",
+         "--commit-every", "5", "--checkpoint-every", "1000", "--seed", "4"], name=name)
+
+
+def wait_for_memory_commit(run: Path, job, step: int) -> None:
+    wait_for(lambda: any(e["event"] == "memory_commit" and e["ckpt_step"] >= step
+                         for e in events(run / "events.jsonl")),
+             240, f"a commit at step >= {step}", job)
+
+
 def test_horovodrun_driver_killed_relaunch_resumes_from_memory(tmp_path, jobs,
                                                                memory_tier_dir):
-    def launch(name: str):
-        run = tmp_path / name
-        return run, jobs.start(
-            [HVD, "run", "--backend", "horovod", "--np", "2", "--network-interface", "lo",
-             "--run-id", name, "--run-dir", str(run), "--max-restarts", "2", "--", PYTHON,
-             DIGITS, "--epochs", "6", "--commit-every", "5", "--checkpoint-every", "1000",
-             "--seed", "4"], name=name)
-
-    ref, job = launch("ref")
+    flags = ("--backend", "horovod", "--np", "2")
+    ref, job = digits_run(jobs, tmp_path, "ref", *flags)
     assert job.wait(300) == 0, job.output()[-3000:]
     (reference,) = digests(ref)
 
-    run, job = launch("run")
-    commits = lambda: [e["ckpt_step"] for e in events(run / "events.jsonl")  # noqa: E731
-                       if e["event"] == "memory_commit"]
-    wait_for(lambda: any(s >= 40 for s in commits()), 240, "a commit at step >= 40", job)
+    run, job = digits_run(jobs, tmp_path, "run", *flags)
+    wait_for_memory_commit(run, job, 40)
     _driver(job).send_signal(signal.SIGKILL)
     assert job.wait(300) == 0, job.output()[-3000:]
     evs = events(run / "events.jsonl")
@@ -154,25 +162,15 @@ def test_horovodrun_driver_lost_over_ssh_relaunch_forks_from_the_supervisors_war
 
     _, discover = write_discovery(tmp_path, "localhost:2")
 
-    def launch(name: str, *flags: str):
-        run = tmp_path / name
-        return run, jobs.start(
-            [HVD, "run", "--launcher", "horovod", "--discovery", str(discover), "--np", "2",
-             "--min-np", "2", "--max-np", "2", "--network-interface", "lo", *flags,
-             "--run-id", name, "--run-dir", str(run), "--max-restarts", "2", "--", PYTHON,
-             DIGITS, "--epochs", "6", "--commit-every", "5", "--checkpoint-every", "1000",
-             "--seed", "4"], name=name)
-
-    ref, job = launch("ref")
+    flags = ("--launcher", "horovod", "--discovery", str(discover), "--np", "2", "--min-np",
+             "2", "--max-np", "2")
+    ref, job = digits_run(jobs, tmp_path, "ref", *flags)
     assert job.wait(300) == 0, job.output()[-3000:]
     (reference,) = digests(ref)
 
-    run, job = launch("run", "--warm-pool")
-    commits = lambda: [e["ckpt_step"] for e in events(run / "events.jsonl")  # noqa: E731
-                       if e["event"] == "memory_commit"]
-    wait_for(lambda: any(s >= 40 for s in commits()), 240, "a commit at step >= 40", job)
-    kids = psutil.Process(job.proc.pid).children()
-    (driver,) = [k for k in kids if "warm_pool_server" not in " ".join(k.cmdline())]
+    run, job = digits_run(jobs, tmp_path, "run", *flags, "--warm-pool")
+    wait_for_memory_commit(run, job, 40)
+    driver = _driver(job)
     for p in [*driver.children(), driver]:  # the middlemen first: no SIGTERM reaches a worker
         p.kill()
     assert job.wait(300) == 0, job.output()[-3000:]

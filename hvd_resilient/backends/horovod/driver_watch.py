@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from hvd_resilient.detect import heartbeat
 from hvd_resilient.detect.heartbeat import ENDED, this_view
 from hvd_resilient.detect.heartbeat import probe as reachable
 from hvd_resilient.errors import DRIVER_LOST_EXIT_CODE, exit_now
@@ -107,14 +108,10 @@ def watch(address: tuple[str, int], on_lost: Callable[[], None], stop: threading
 
 
 def _stat(pid: int) -> tuple[str, str]:
-    """State letter and start time (field 22: clock ticks since boot) from /proc/PID/stat;
-    ("", "") when it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return fields[0], fields[19]
-    except (OSError, IndexError):
-        return "", ""
+    """State letter and start time (field 22: clock ticks since boot); ("", "") when /proc
+    cannot say."""
+    fields = heartbeat.process_stat(pid)
+    return (fields[0], fields[19]) if len(fields) > 19 else ("", "")
 
 
 def start(events: EventLog) -> bool:
