@@ -35,6 +35,7 @@ import time
 from typing import Any
 
 from hvd_resilient.detect import tcp_sockets
+from hvd_resilient.detect.wakeup import Stop
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ class GlooWatch:
         self._conns: list[Conn] = []
         self._ranks: list[int] = []  # the rank at the other end of each watched socket
         self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._stop: Stop | threading.Event = threading.Event()
         self.detected_at: float | None = None
         self.detail = ""
 
@@ -125,10 +126,10 @@ class GlooWatch:
             self._armed = True
             self.detected_at = None
             self.detail = ""
-            self._stop = threading.Event()
-        if socks:
+            self._stop = stop = Stop() if socks else threading.Event()
+        if isinstance(stop, Stop):
             self._thread = threading.Thread(
-                target=self._watch, args=(socks, self._stop), name="hvd-resilient-peer-watch",
+                target=self._watch, args=(socks, stop), name="hvd-resilient-peer-watch",
                 daemon=True,
             )
             self._thread.start()
@@ -168,15 +169,24 @@ class GlooWatch:
             self._stop.set()
             return list(self._conns)
 
-    def _watch(self, socks: list[socket.socket], stop: threading.Event) -> None:
+    def _watch(self, socks: list[socket.socket], stop: Stop) -> None:
+        try:
+            self._watch_until(socks, stop)
+        finally:
+            stop.close()
+
+    def _watch_until(self, socks: list[socket.socket], stop: Stop) -> None:
+        """Blocks until a connection hangs up or `stop` is set, with no timeout: no wake-up
+        (and no GIL taken from training) while nothing happens (`wakeup.py`)."""
         poller = select.poll()
         by_fd: dict[int, socket.socket] = {}
         for s in socks:
             poller.register(s.fileno(), _HANGUP)
             by_fd[s.fileno()] = s
+        poller.register(stop.fileno(), select.POLLIN)
         while not stop.is_set():
             try:
-                ready = poller.poll(100)
+                ready = [(fd, ev) for fd, ev in poller.poll() if fd in by_fd]
             except (OSError, ValueError):
                 return
             if not ready:

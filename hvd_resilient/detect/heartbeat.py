@@ -31,10 +31,11 @@ oversubscription (containers at load 13-36 on 2 cores) raise
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import select
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -47,6 +48,8 @@ PING, PONG = b"p", b"r"
 """First byte of a datagram; the rest is the sender's pid. A pong is never answered."""
 RING_REACH = 2
 """Each rank watches the ranks up to this many places away on each side."""
+_SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # Linux; Python names it from 3.13
+_STAMP_SPACE = socket.CMSG_SPACE(16)  # one struct timespec
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,8 @@ class Heartbeat:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.bind(("0.0.0.0", 0))
         self.sock.setblocking(False)
+        with contextlib.suppress(OSError):  # arrival stamps: the thread reads in batches
+            self.sock.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
         self._lock = threading.Lock()
         self._peers: list[Peer] = []
         self._last: dict[int, float] = {}
@@ -155,8 +160,8 @@ class Heartbeat:
         tick = next_ping = time.monotonic()
         while not self._closed:
             if time.monotonic() >= next_ping:
-                # Once per interval, not once per wake-up: select returns at every datagram
-                # that arrives, and pinging again at each one made the peers' answers a storm
+                # Once per interval, not once per wake-up (it also wakes to judge): pinging
+                # again at each datagram that arrived once made the peers' answers a storm
                 # (4,000 datagrams a second per process, measured: CPU taken from training,
                 # and a throttled link filled until every connection on it stalled).
                 next_ping = time.monotonic() + self.interval_s
@@ -173,12 +178,17 @@ class Heartbeat:
                         self.sock.sendto(PING + self._token, p.address)
                     except OSError:
                         pass  # unreachable now: the silence will say so
-            select.select([self.sock], [], [], max(0.0, next_ping - time.monotonic()))
+            # Asleep until the next ping or the first moment a watched peer could cross the
+            # timeout, never woken by a datagram: each wake-up takes the GIL from training, and
+            # on busy cores the training thread then waits for this one to be scheduled again
+            # (a wake-up per datagram, ~25 a second, cost 5-10% of the step rate measured
+            # with three workers on two cores, bench/step_overhead.py). What arrived meanwhile
+            # waits in the socket, each datagram stamped by the kernel on arrival.
+            time.sleep(max(0.0, min(next_ping, self._next_verdict()) - time.monotonic()))
             with self._lock:
-                # The clock is read, and everything queued is drained, only now: this thread
-                # may have waited for the GIL since select returned, and what the peers sent
-                # meanwhile is in the socket; judging on select's stale answer blamed them for
-                # this process's own stall.
+                # Everything queued is drained, and judged, only now: this thread may have
+                # waited for the GIL after its sleep, and what the peers sent meanwhile is in
+                # the socket; judging before reading it blamed them for this process's stall.
                 now = time.monotonic()
                 gap, tick = now - tick, now
                 self._drain(now)
@@ -265,11 +275,22 @@ class Heartbeat:
                         "saturated link?); not evicted", [p.rank for p in busy])
         return None
 
+    def _next_verdict(self) -> float:
+        """The first moment after now at which a watched peer could cross the timeout (inf:
+        none): the silence of a peer is judged then, not up to a ping interval later."""
+        with self._lock:
+            if not self._judging:
+                return float("inf")
+            now = time.monotonic()
+            later = [t + self.timeout_s for t in self._last.values() if t + self.timeout_s > now]
+        return min(later, default=float("inf"))
+
     def _drain(self, now: float) -> None:
         by_token = {str(p.pid).encode(): p.pid for p in self._peers}
+        wall = time.time()
         while True:
             try:
-                data, sender = self.sock.recvfrom(64)
+                data, ancillary, _, sender = self.sock.recvmsg(64, _STAMP_SPACE)
             except OSError:  # BlockingIOError: nothing more to read
                 return
             if data[:1] == PING:
@@ -279,7 +300,18 @@ class Heartbeat:
                     pass
             pid = by_token.get(data[1:])
             if pid is not None:
-                self._last[pid] = now
+                self._last[pid] = max(self._last.get(pid, 0.0),
+                                      now - self._age(ancillary, wall))
+
+    def _age(self, ancillary: list[tuple[int, int, bytes]], wall: float) -> float:
+        """How long ago the kernel received a datagram. Bounded by two ping intervals (a peer
+        is never judged older than that for a datagram it sent, whatever the wall clock did
+        meanwhile); 0 when the kernel gave no stamp."""
+        for level, kind, data in ancillary:
+            if level == socket.SOL_SOCKET and kind == _SO_TIMESTAMPNS and len(data) >= 16:
+                sec, nsec = struct.unpack_from("qq", data)
+                return min(max(0.0, wall - (sec + nsec / 1e9)), 2 * self.interval_s)
+        return 0.0
 
 
 STOPPED = ("T", "t")

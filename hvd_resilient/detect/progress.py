@@ -42,6 +42,8 @@ FIRST_STEP_S = 600.0
 """Default budget of the first step: it compiles, warms the loader, faults in the optimizer."""
 VICTIM_FACTOR = 3.0
 """A rank stalled while waiting for its peers waits this many budgets before it fires."""
+LOOK_AGAIN_S = 1.0
+"""The watchdog's longest sleep (an unbounded section's, for one)."""
 
 
 class ProgressWatchdog:
@@ -65,6 +67,7 @@ class ProgressWatchdog:
         self._last = time.monotonic()
         self._section: tuple[str, float | None] = ("first step", first_step_s)
         self._stop = threading.Event()
+        self._poke = threading.Event()  # a new budget to sleep towards, or the stop
         self._thread: threading.Thread | None = None
         self._waiting = False
         self.fired = False
@@ -87,11 +90,13 @@ class ProgressWatchdog:
         with self._lock:
             outer = self._section
             self._section, self._last = (name, budget_s), time.monotonic()
+        self._poke.set()
         try:
             yield
         finally:
             with self._lock:
                 self._section, self._last = outer, time.monotonic()
+            self._poke.set()
 
     @contextlib.contextmanager
     def waiting_for_peers(self) -> Iterator[None]:
@@ -127,14 +132,23 @@ class ProgressWatchdog:
 
     def stop(self) -> None:
         self._stop.set()
+        self._poke.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=1.0)
 
     def _watch(self) -> None:
-        while not self._stop.wait(self.poll_s):
+        due = self.poll_s
+        while True:
+            self._poke.wait(due)
+            if self._stop.is_set():
+                return
+            self._poke.clear()  # before reading: a section that starts now pokes again
             name, budget = self.budget()
             with self._lock:
                 idle = time.monotonic() - self._last
+            # Asleep until the budget could run out (or a section starts or ends: it pokes),
+            # not every poll_s: each wake-up takes the GIL from training (`wakeup.py`).
+            due = min(LOOK_AGAIN_S, max(self.poll_s, (budget or LOOK_AGAIN_S) - idle))
             if budget is not None and self._waiting:
                 name, budget = f"{name} (waiting for peers)", budget * VICTIM_FACTOR
             if budget is not None and idle > budget:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import pytest
 
@@ -107,6 +108,42 @@ def test_a_silent_peer_is_not_a_failure(pair):
     watch.disarm()
 
 
+def test_the_watch_sleeps_through_traffic_and_stops_at_once_on_disarm(pair, monkeypatch):
+    """No poll timeout: the watcher wakes for a hang-up or its stop, never for nothing (each
+    wake-up takes the GIL from training), and a disarm still ends it at once."""
+    import select
+
+    a, b, _ = pair
+    returns: list = []
+    watcher: list = []
+
+    class CountingPoll:
+        def __init__(self) -> None:
+            self.inner = select.poll()
+            watcher.append(threading.current_thread())
+
+        def register(self, fd: int, mask: int) -> None:
+            self.inner.register(fd, mask)
+
+        def poll(self, *timeout: int) -> list:
+            ready = self.inner.poll(*timeout)
+            returns.append(ready)
+            return ready
+
+    monkeypatch.setattr(gloo_watch, "select",
+                        types.SimpleNamespace(poll=CountingPoll, POLLIN=select.POLLIN))
+    watch = gloo_watch.GlooWatch()
+    assert watch.arm(0, [[endpoints(a)], [endpoints(b)]]) == 1
+    for _ in range(5):
+        b.sendall(b"x" * 100)  # traffic: no reason to wake
+        a.recv(100)
+        time.sleep(0.1)
+    assert returns == [], f"woke {len(returns)} times without a hang-up"
+    watch.disarm()
+    assert len(returns) == 1 and not watcher[0].is_alive()
+    assert watch.detected_at is None
+
+
 def test_hangup_after_disarm_is_ignored(pair):
     a, b, _ = pair
     watch = gloo_watch.GlooWatch()
@@ -148,11 +185,17 @@ def test_driver_watch_calls_lost_after_consecutive_failed_probes():
         "10.0.0.1", 4444)
 
 
-def test_driver_watch_finds_a_local_driver_ended_in_proc_while_its_port_still_answers():
+@pytest.mark.parametrize("pidfd", [True, False], ids=["pidfd", "proc"])
+def test_driver_watch_finds_a_local_driver_ended_while_its_port_still_answers(pidfd, monkeypatch):
     """A worker on the driver's machine needs no five failed probes: the driver's process
-    ended is seen in /proc at once. Here the port stays open (another process holds it), so
-    only the process check can fire."""
+    ending is seen at once, through its pidfd, or in /proc where there are no pidfds. Here the
+    port stays open (another process holds it), so only the process check can fire."""
     from hvd_resilient.backends.horovod import driver_watch
+
+    if not pidfd:
+        def no_pidfds(pid: int) -> int:
+            raise OSError("pidfd_open: not on this kernel")
+        monkeypatch.setattr(driver_watch.os, "pidfd_open", no_pidfds)
 
     server = socket.create_server(("127.0.0.1", 0))
     driver = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

@@ -69,6 +69,21 @@ def test_the_adaptive_budget_follows_the_slowest_step(tmp_path):
     assert dog.budget() == ("step", 7.0)
 
 
+def test_a_section_that_starts_while_the_watchdog_sleeps_is_judged_on_its_own_budget(tmp_path):
+    """The watchdog sleeps towards the step budget (up to a second), not poll_s at a time; a
+    section with a shorter budget wakes it, so a hang there is found on the section's time."""
+    dog, fired, done = _dog(tmp_path, timeout_s=30.0)
+    dog.step()
+    dog.start()
+    t0 = time.monotonic()
+    with dog.section("checkpoint", 0.2):
+        assert done.wait(5)
+        took = time.monotonic() - t0
+    dog.stop()
+    assert fired[0]["section"] == "checkpoint"
+    assert took < 0.9, f"found after {took:.2f} s: the section waited out the watchdog's sleep"
+
+
 _made: list = []
 """Heartbeats and sockets a test made: closed after it, so that no thread outlives it."""
 
@@ -137,27 +152,25 @@ def test_a_peer_that_has_not_armed_yet_is_alive_when_its_thread_runs():
 
 
 def test_a_stall_of_this_thread_is_not_blamed_on_its_peers(monkeypatch):
-    """The heartbeat thread waited (for the GIL, here a sleep) after select said "nothing
-    yet"; the peer's pings of that time are queued in the socket and prove it alive."""
+    """The heartbeat thread waited (for the GIL, here a longer sleep) after its sleep ended;
+    the peer's pings of that time are queued in the socket and prove it alive."""
     verdicts: list = []
     me, peer = _beat(0.5, verdicts), _beat(0.5, [])
     me._token, peer._token = b"301", b"302"
     stalled, resumed = threading.Event(), threading.Event()
-    real_select = heartbeat.select.select
 
-    def select_then_stall(r, w, x, timeout):
-        real_select(r, w, x, timeout)
+    def sleep_then_stall(seconds):
+        time.sleep(seconds)
         if threading.current_thread() is me._thread and me._judging and not stalled.is_set():
             stalled.set()
             time.sleep(0.8)  # over the timeout, under the self-frozen limit of 1.0 s
             resumed.set()
-            return [], [], []  # what select said before the stall
-        return real_select(r, w, x, 0)
 
     everyone = [heartbeat.Peer(0, ("127.0.0.1", me.port), "a", 301),
                 heartbeat.Peer(1, ("127.0.0.1", peer.port), "b", 302)]
     peer.arm(1, everyone)
-    monkeypatch.setattr(heartbeat, "select", types.SimpleNamespace(select=select_then_stall))
+    monkeypatch.setattr(heartbeat, "time", types.SimpleNamespace(
+        sleep=sleep_then_stall, monotonic=time.monotonic, time=time.time))
     me.arm(0, everyone)
     assert stalled.wait(5) and resumed.wait(5)
     deadline = time.monotonic() + 0.3  # a few rounds after the stall
@@ -166,6 +179,28 @@ def test_a_stall_of_this_thread_is_not_blamed_on_its_peers(monkeypatch):
     me.disarm()
     peer.disarm()
     assert verdicts == []
+
+
+def test_the_heartbeat_thread_wakes_once_a_ping_interval_not_at_every_datagram(monkeypatch):
+    """Every wake-up takes the GIL from training: the peers' pings and pongs wait in the
+    socket for the next tick (stamped on arrival by the kernel) instead of waking the thread
+    one by one (three wake-ups an interval here before)."""
+    a, b = _beat(1.0, []), _beat(1.0, [])
+    a._token, b._token = b"401", b"402"
+    everyone = [heartbeat.Peer(0, ("127.0.0.1", a.port), "m", 401),
+                heartbeat.Peer(1, ("127.0.0.1", b.port), "m", 402)]
+    drains: list[float] = []
+    drain = a._drain
+    monkeypatch.setattr(a, "_drain", lambda now: (drains.append(now), drain(now)))
+    a.arm(0, everyone)
+    b.arm(1, everyone)
+    time.sleep(1.0)
+    wakes = len(drains)
+    heard = time.monotonic() - a._last[402]
+    a.disarm()
+    b.disarm()
+    assert wakes <= 1.3 / a.interval_s, f"{wakes} wake-ups in 1 s at a {a.interval_s} s interval"
+    assert heard < 3 * a.interval_s, f"the peer was last heard {heard:.2f} s ago"
 
 
 def test_a_running_peer_under_another_name_of_this_machine_is_spared():

@@ -10,16 +10,17 @@ partitioned host is treated the same way: it cannot rejoin its job anyway.
 
 Five seconds is the price of telling a dead driver from a slow link over the network. A worker
 that shares the driver's kernel, process table and network (`heartbeat.this_view`; the driver
-started by `hvd-resilient run` says who it is in DRIVER_ENV) needs no such margin: it looks the
-driver's process up in /proc five times a second, and an ended driver is known in 0.2 s. The
-supervisor relaunches only when the old workers are gone (they hold the launch's output), so
-those 5 s were the relaunch's delay.
+started by `hvd-resilient run` says who it is in DRIVER_ENV) needs no such margin: it waits for
+the driver's process to end (its pidfd; /proc five times a second where there is none), and an
+ended driver is known at once. The supervisor relaunches only when the old workers are gone
+(they hold the launch's output), so those 5 s were the relaunch's delay.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import select
 import threading
 import time
 from collections.abc import Callable
@@ -39,7 +40,7 @@ and resent after 1 s, which must not read as a lost driver (seen with a 256 kbit
 A killed driver refuses at once, so it is still found in about LOST_AFTER seconds; a cut-off
 host is found sooner by the heartbeats (`detect/heartbeat.py`)."""
 LOOK_EVERY_S = 0.2
-"""How often a worker on the driver's machine looks the driver's process up in /proc."""
+"""How often a worker on the driver's machine without pidfds looks the driver up in /proc."""
 DRIVER_ENV = "HVD_RESILIENT_DRIVER_PROCESS"
 """`identity()` of the driver process, set by `launch/horovod/driver.py` for its workers."""
 
@@ -89,22 +90,67 @@ def ended(driver: Driver) -> bool:
 def watch(address: tuple[str, int], on_lost: Callable[[], None], stop: threading.Event,
           every: float = PROBE_EVERY_S, lost_after: int = LOST_AFTER,
           local: Driver | None = None) -> None:
-    """Probes `address` every `every` s; with `local`, also looks that process up every
-    LOOK_EVERY_S (or `every`, if smaller): either way of finding the driver gone ends it."""
-    failures = 0
-    tick = every if local is None else min(every, LOOK_EVERY_S)
-    next_probe = time.monotonic() + every
-    while not stop.wait(tick):
-        if local is not None and ended(local):
-            on_lost()
-            return
-        if time.monotonic() < next_probe:
-            continue
-        next_probe = time.monotonic() + every
-        failures = 0 if reachable(address, timeout=PROBE_TIMEOUT_S) else failures + 1
-        if failures >= lost_after:
-            on_lost()
-            return
+    """Probes `address` every `every` s; with `local`, also waits for that process to end in
+    between: either way of finding the driver gone ends it."""
+    exited = _ExitWaiter(local, stop)
+    try:
+        failures = 0
+        while not stop.is_set():
+            if exited(every):
+                on_lost()
+                return
+            if stop.is_set():
+                return
+            failures = 0 if reachable(address, timeout=PROBE_TIMEOUT_S) else failures + 1
+            if failures >= lost_after:
+                on_lost()
+                return
+    finally:
+        exited.close()
+
+
+class _ExitWaiter:
+    """`waiter(timeout)`: True once the driver's process has ended, else False after `timeout`
+    s (or when `stop` is set). Woken by the kernel where it can be: a pidfd is readable once its
+    process has ended, so the thread sleeps until then instead of waking five times a second
+    to look in /proc (each wake-up takes the GIL from training, `detect/wakeup.py`). Without a
+    pidfd (Linux < 5.3, or a /proc that hides it) /proc is read every LOOK_EVERY_S."""
+
+    def __init__(self, driver: Driver | None, stop: threading.Event) -> None:
+        self.driver, self.stop = driver, stop
+        self.pidfd: int | None = None
+        if driver is not None:
+            try:
+                self.pidfd = os.pidfd_open(driver[0])
+            except (AttributeError, OSError):
+                pass
+        self.gone = driver is not None and ended(driver)  # after the open: a pid reused
+        # before it would leave the pidfd naming a later process
+
+    def __call__(self, timeout: float) -> bool:
+        if self.driver is None:
+            self.stop.wait(timeout)
+            return False
+        if self.gone:
+            return True
+        if self.pidfd is not None:
+            poller = select.poll()
+            poller.register(self.pidfd, select.POLLIN)
+            self.gone = bool(poller.poll(int(timeout * 1000)))
+            return self.gone
+        deadline = time.monotonic() + timeout
+        while not self.stop.wait(max(0.0, min(LOOK_EVERY_S, deadline - time.monotonic()))):
+            if ended(self.driver):
+                self.gone = True
+                return True
+            if time.monotonic() >= deadline:
+                return False
+        return False
+
+    def close(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
 
 
 def _stat(pid: int) -> tuple[str, str]:
