@@ -146,11 +146,11 @@ class ProgressWatchdog:
             name, budget = self.budget()
             with self._lock:
                 idle = time.monotonic() - self._last
+            if budget is not None and self._waiting:
+                name, budget = f"{name} (waiting for peers)", budget * VICTIM_FACTOR
             # Asleep until the budget could run out (or a section starts or ends: it pokes),
             # not every poll_s: each wake-up takes the GIL from training (`wakeup.py`).
             due = min(LOOK_AGAIN_S, max(self.poll_s, (budget or LOOK_AGAIN_S) - idle))
-            if budget is not None and self._waiting:
-                name, budget = f"{name} (waiting for peers)", budget * VICTIM_FACTOR
             if budget is not None and idle > budget:
                 self._fire(name, idle, budget)
                 return

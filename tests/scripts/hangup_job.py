@@ -20,6 +20,7 @@ import argparse
 import logging
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -47,11 +48,14 @@ def abandon(conns: list[gloo_watch.tcp_sockets.TcpSocket], marker: Path) -> bool
         return False  # fired already in this run
     os.write(fd, f"{time.time():.6f}\n".encode())
     os.close(fd)
-    for c in conns:
-        HELD.append(os.dup(c.fd))
-        s = socket.socket(fileno=os.dup(c.fd))
+    # Every descriptor held before the first shutdown: that one fails Horovod's background
+    # loop, which may close all its pairs before this loop reaches the next (EBADF, in CI).
+    HELD.extend(os.dup(c.fd) for c in conns)
+    for held in HELD:
+        s = socket.socket(fileno=os.dup(held))
         s.shutdown(socket.SHUT_RD)
         s.close()
+    logger.warning("abandoned %d Gloo connections", len(conns))
     return True
 
 
@@ -88,9 +92,15 @@ def main() -> int:
             if state.step == a.abandon_step - 1:  # every rank: which connections are Gloo's
                 everyone = hvd.allgather_object(gloo_watch.local_connections())
                 conns = gloo_watch.peer_connections(everyone, hvd.rank())
-            if state.step == a.abandon_step and hvd.rank() == a.abandon_rank and conns:
-                if abandon(conns, marker):
-                    logger.warning("abandoned %d Gloo connections", len(conns))
+            if (state.step == a.abandon_step and hvd.rank() == a.abandon_rank and conns
+                    and not marker.exists()):
+                # Given up inside a collective, as a rank whose Gloo failed: the sockets are shut
+                # while this thread waits in synchronize, the GIL released. Shut between two
+                # enqueues instead, Horovod's shutdown deadlocked now and then: its finalize
+                # needs the GIL that an enqueue holds while it waits for the tensor queue.
+                handle = hvd.allreduce_async(torch.zeros(1), name="hangup_job.abandoned")
+                threading.Thread(target=abandon, args=(conns, marker)).start()
+                hvd.synchronize(handle)  # fails: HorovodInternalError
             g = torch.Generator().manual_seed(state.step)
             idx = torch.randint(0, len(x), (32,), generator=g)
             opt.zero_grad()
