@@ -50,8 +50,9 @@ def abandon(conns: list[gloo_watch.tcp_sockets.TcpSocket], marker: Path) -> bool
     os.close(fd)
     # Every descriptor held before the first shutdown: that one fails Horovod's background
     # loop, which may close all its pairs before this loop reaches the next (EBADF, in CI).
-    HELD.extend(os.dup(c.fd) for c in conns)
-    for held in HELD:
+    dups = [os.dup(c.fd) for c in conns]
+    HELD.extend(dups)
+    for held in dups:
         s = socket.socket(fileno=os.dup(held))
         s.shutdown(socket.SHUT_RD)
         s.close()
@@ -96,8 +97,9 @@ def main() -> int:
                     and not marker.exists()):
                 # Given up inside a collective, as a rank whose Gloo failed: the sockets are shut
                 # while this thread waits in synchronize, the GIL released. Shut between two
-                # enqueues instead, Horovod's shutdown deadlocked now and then: its finalize
-                # needs the GIL that an enqueue holds while it waits for the tensor queue.
+                # enqueues instead, the rank now and then hung in Horovod's next enqueue (bound
+                # without releasing the GIL) while its background loop shut down; what the
+                # enqueue waits for there is not pinned down.
                 handle = hvd.allreduce_async(torch.zeros(1), name="hangup_job.abandoned")
                 threading.Thread(target=abandon, args=(conns, marker)).start()
                 hvd.synchronize(handle)  # fails: HorovodInternalError
