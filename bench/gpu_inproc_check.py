@@ -13,13 +13,19 @@ time, never pinned to a version; a probe that cannot run here records why.
    formed again, N times; threads, descriptors, RSS and GPU memory counted after each, and a
    CUDA health check (a kernel and a synchronize) after each abort;
 3. a peer that never arrives: a two-rank group with one rank only, a short timeout: how long
-   the formation waits, and whether the process and its CUDA context survive the failure;
+   the formation waits, and whether the process and its CUDA context survive the failure (in
+   a child process with a limit: on an H200, NCCL 2.28, the formation never returned);
 4. re-attach: a DDP model built on generation 1, the group replaced, DDP built again on
    generation 2 over the same module (parameters unchanged); FSDP2 through the in-place
    backend's own holder (`backends.inplace.fsdp.Resharded`): sharded, a step, the group
    replaced, re-sharded and reloaded from the full state, compared exactly, a step again;
-5. two ranks on one GPU: recorded as skipped for now (NCCL refuses two ranks per device by
-   default); to be written with the NCCL path of the backend.
+5. a peer that dies mid-job: two ranks (two processes, one GPU, or two where there are two)
+   form a group and allreduce; rank 1 SIGKILLs itself; rank 0 enqueues the next allreduce
+   (it can never complete) and waits on it, while another thread aborts the group 0.5 s later:
+   whether the wait returns, how long after the abort, whether CUDA is healthy after it, and
+   whether a new one-rank group forms and allreduces in the same process. This is what the
+   in-place backend needs of NCCL: survivors keep their processes. Where NCCL refuses two
+   ranks on one device, that is recorded.
 
 Not covered yet: the NCCL watchdog's interplay with a hung collective (its timeout against
 ours, `TORCH_NCCL_ASYNC_ERROR_HANDLING` 0 vs 3). The in-place backend itself runs Gloo only.
@@ -122,8 +128,13 @@ def one_rank_cycles(store: Any) -> dict[str, Any]:
         form(store, g, 0, 1, 30)
         t = torch.ones(1 << 20, device=device())
         dist.all_reduce(t)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
         how = abort()
         rows.append({"generation": g, "seconds": round(time.perf_counter() - t0, 4),
+                     "form_and_allreduce_s": round(t1 - t0, 4),
+                     "teardown_s": round(time.perf_counter() - t1, 4),
                      "teardown": how, "healthy": healthy(), **counts()})
     first, last = rows[2], rows[-1]
     return {"cycles": rows, "flat": {k: last[k] - first[k] for k in first
@@ -208,38 +219,205 @@ def reattach(store: Any) -> dict[str, Any]:
     return out
 
 
-def two_ranks_one_gpu() -> dict[str, Any]:
-    if not torch.cuda.is_available():
-        return {"skipped": "no CUDA"}
-    return {"skipped": "needs NCCL_ALLOW_TWO_RANKS_PER_DEVICE-style support: run with two "
-                       "processes by hand if this NCCL allows it (docs/architecture.md)"}
+def in_child(name: str, limit_s: float) -> dict[str, Any]:
+    """Runs probe `name` in a child process of this script: a probe that hangs (NCCL's
+    formation waits for a missing rank without a timeout) is recorded as hung, and the probes
+    after it still run."""
+    import subprocess
+    import sys
+
+    with tempfile.TemporaryDirectory(prefix=f"{name}-") as tmp:
+        out = Path(tmp) / "out.json"
+        t0 = time.perf_counter()
+        env = {**os.environ, **CHILD_ENV.get(name, {})}
+        p = subprocess.Popen([sys.executable, __file__, "--child", name, "--out", str(out)],
+                             env=env)
+        try:
+            code: Any = p.wait(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            code = None
+        got = json.loads(out.read_text()) if out.exists() else {}
+        return {**got, "hung": code is None, "child_exit": code,
+                "child_seconds": round(time.perf_counter() - t0, 3)}
 
 
-def probe(name: str, fn: Callable[[], dict[str, Any]], out: dict[str, Any]) -> None:
+CHILD_ENV = {"missing_peer_nonblocking": {"TORCH_NCCL_USE_COMM_NONBLOCKING": "1"}}
+"""The variant that asks torch for NCCL's non-blocking communicators (whose formation can be
+timed out and aborted)."""
+
+
+def missing_peer_alone() -> dict[str, Any]:
+    store_file = tempfile.NamedTemporaryFile(prefix="missing-peer-", delete=False).name
+    try:
+        return missing_peer(dist.FileStore(store_file, -1))
+    finally:
+        os.unlink(store_file)
+
+
+def peer_dies(timeout_s: float = 60) -> dict[str, Any]:
+    """Runs `peer_dies_rank` in two processes of this script and gathers what they wrote."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory(prefix="peer-dies-") as tmp:
+        procs = [subprocess.Popen([sys.executable, __file__, "--peer-dies-rank", str(r),
+                                   "--port", str(port), "--out", f"{tmp}/{r}.json"])
+                 for r in (0, 1)]
+        codes = []
+        for p in procs:
+            try:
+                codes.append(p.wait(timeout=timeout_s))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                codes.append(f"killed after {timeout_s} s")
+        out: dict[str, Any] = {"exit_codes": codes}
+        for r in (0, 1):
+            f = Path(f"{tmp}/{r}.json")
+            out[f"rank{r}"] = json.loads(f.read_text()) if f.exists() else None
+    return out
+
+
+def peer_dies_rank(rank: int, port: int, out_path: str) -> int:
+    """One rank of probe 5 (see the module's docstring); writes what it saw as it goes, so a
+    rank that hangs still leaves its last stage."""
+    import signal
+
+    seen: dict[str, Any] = {"rank": rank, "stage": "start"}
+
+    def note(**kw: Any) -> None:
+        seen.update(kw)
+        Path(out_path).write_text(json.dumps(seen))
+
+    dev = torch.device("cuda", rank % max(1, torch.cuda.device_count())) \
+        if torch.cuda.is_available() else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0,
+                          timeout=datetime.timedelta(seconds=60))
+    try:
+        dist.init_process_group(backend(), store=dist.PrefixStore("g5000/", store), rank=rank,
+                                world_size=2, timeout=datetime.timedelta(seconds=30),
+                                device_id=dev if dev.type == "cuda" else None)
+        x = torch.full((1 << 20,), float(rank + 1), device=dev)
+        dist.all_reduce(x)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        note(stage="formed", device=str(dev), allreduce_ok=float(x[0]) == 3.0)
+    except Exception as e:  # NCCL may refuse two ranks on one device: that is the finding
+        note(stage="form_failed", error=f"{type(e).__name__}: {str(e)[:300]}")
+        return 0
+    if rank == 1:
+        store.set("rank1_pid", str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    pid = int(store.get("rank1_pid"))
+    t_dead = time.perf_counter()
+    while process_alive(pid) and time.perf_counter() - t_dead < 30:
+        time.sleep(0.01)
+    note(stage="peer_dead", peer_gone=not process_alive(pid))
+    work = dist.all_reduce(x, async_op=True)  # can never complete: its peer is gone
+    aborted: dict[str, float] = {}
+
+    def abort_later() -> None:
+        time.sleep(0.5)
+        aborted["at"] = time.perf_counter()
+        try:
+            aborted["how"] = abort()  # type: ignore[assignment]
+        except Exception as e:
+            aborted["error"] = f"{type(e).__name__}: {str(e)[:200]}"  # type: ignore[assignment]
+        aborted["took"] = time.perf_counter() - aborted["at"]
+
+    threading.Thread(target=abort_later, daemon=True).start()
+    t0 = time.perf_counter()
+    error = None
+    try:
+        work.wait()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()  # the enqueued kernel: only an abort can end it
+    except Exception as e:
+        error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    ended = time.perf_counter()
+    while "took" not in aborted and time.perf_counter() - ended < 30:
+        time.sleep(0.01)
+    note(stage="waited", wait_error=error, wait_s=round(ended - t0, 3),
+         ended_after_abort_s=round(ended - aborted.get("at", ended), 3),
+         abort=aborted.get("how", aborted.get("error")),
+         abort_took_s=round(aborted.get("took", -1.0), 3), healthy_after_abort=healthy())
+    try:  # the survivor forms the next generation alone, in the same process
+        t1 = time.perf_counter()
+        form(store, 5001, 0, 1, 30)
+        y = torch.ones(4, device=dev)
+        dist.all_reduce(y)
+        note(stage="reformed", reform_s=round(time.perf_counter() - t1, 3),
+             reformed_ok=float(y.sum()) == 4.0, healthy_after_reform=healthy())
+        abort()
+    except Exception as e:
+        note(stage="reform_failed", error=f"{type(e).__name__}: {str(e)[:300]}")
+    return 0
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def probe(name: str, fn: Callable[[], dict[str, Any]], out: dict[str, Any], path: str) -> None:
+    """Runs one probe and writes everything so far: a later probe that hangs past an outer
+    limit loses only itself."""
     t0 = time.perf_counter()
     try:
         out[name] = fn()
     except Exception:
         out[name] = {"error": traceback.format_exc(limit=3)}
     out[name]["probe_seconds"] = round(time.perf_counter() - t0, 3)
-    print(f"{name}: {json.dumps(out[name])[:300]}", flush=True)
+    shown = {k: v for k, v in out[name].items() if k != "cycles"}
+    if "cycles" in out[name]:
+        for k in ("seconds", "form_and_allreduce_s", "teardown_s"):
+            shown[k] = [c.get(k) for c in out[name]["cycles"]]
+        shown["healthy"] = all(c["healthy"] for c in out[name]["cycles"])
+    print(f"{name}: {json.dumps(shown)}", flush=True)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(out, indent=1))
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(Path(__file__).parent / "results"
                                         / "gpu_inproc_check.json"))
+    p.add_argument("--peer-dies-rank", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=["missing_peer", "missing_peer_nonblocking"],
+                   default=None, help=argparse.SUPPRESS)
+    p.add_argument("--only", default="", help="comma-separated probes (default: all)")
     a = p.parse_args()
+    if a.peer_dies_rank is not None:
+        return peer_dies_rank(a.peer_dies_rank, a.port, a.out)
+    if a.child is not None:
+        got = missing_peer_alone()
+        Path(a.out).write_text(json.dumps(got))
+        os._exit(0)  # a group left formed must not hold the exit
     store_file = tempfile.NamedTemporaryFile(prefix="inproc-check-", delete=False).name
     store = dist.FileStore(store_file, -1)
     out: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "environment": environment()}
     print(f"environment: {json.dumps(out['environment'])}", flush=True)
-    probe("one_rank_cycles", lambda: one_rank_cycles(store), out)
-    probe("missing_peer", lambda: missing_peer(store), out)
-    probe("reattach", lambda: reattach(store), out)
-    probe("two_ranks_one_gpu", two_ranks_one_gpu, out)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=1))
+    probes: dict[str, Callable[[], dict[str, Any]]] = {
+        "one_rank_cycles": lambda: one_rank_cycles(store),
+        "missing_peer": lambda: in_child("missing_peer", 30),
+        "missing_peer_nonblocking": lambda: in_child("missing_peer_nonblocking", 30),
+        "reattach": lambda: reattach(store),
+        "peer_dies": peer_dies}
+    only = [n for n in a.only.split(",") if n]
+    for name, fn in probes.items():
+        if not only or name in only:
+            probe(name, fn, out, a.out)
     os.unlink(store_file)
     print(f"wrote {a.out}")
     return 0

@@ -24,9 +24,12 @@ cut-off worker reports `on_cut_off` so that it stops instead of training on besi
 What it cannot tell apart: a peer on another machine starved of CPU for longer than
 `timeout_s` looks frozen. A peer that shares this process's kernel, process table and network
 (`this_view()`, whatever host name the launcher gave it: `localhost` and `127.0.0.1` are one
-machine) is looked up in /proc instead: running means starved, and it is spared. Under heavy CPU
-oversubscription (containers at load 13-36 on 2 cores) raise
-`recovery.heartbeat_timeout_seconds`.
+machine) is looked up in /proc instead: one that runs or uses CPU is starved, and it is spared.
+One that sleeps without using any CPU across two verdicts is deadlocked, not starved (seen: a
+rank whose Horovod loop died while its main thread enqueued a gradient, every thread blocked
+and the GIL held; spared for ever, it hung the job until its outer limit), and it is evicted
+at about twice the timeout. Under heavy CPU oversubscription (containers at load 13-36 on 2
+cores) raise `recovery.heartbeat_timeout_seconds`.
 """
 
 from __future__ import annotations
@@ -113,6 +116,8 @@ class Heartbeat:
         self._lock = threading.Lock()
         self._peers: list[Peer] = []
         self._last: dict[int, float] = {}
+        self._cpu_seen: dict[int, int] = {}
+        """CPU ticks of each silent peer of this machine at its last verdict."""
         self._judging = False
         self._token = str(os.getpid()).encode()
         self._closed = False
@@ -136,6 +141,7 @@ class Heartbeat:
         with self._lock:
             self._peers = peers
             self._last = {p.pid: now for p in peers}
+            self._cpu_seen = {}
             self._judging = bool(peers)
         return len(peers)
 
@@ -238,8 +244,9 @@ class Heartbeat:
 
     def _spare_the_living(self, verdict: tuple) -> tuple | None:
         """Silent peers that are alive are judged again later instead of evicted:
-        - one on this machine whose process is not stopped is starved of CPU (its heartbeat
-          thread did not get to run);
+        - one on this machine that is runnable, or used CPU since its last verdict, is starved
+          of CPU (its heartbeat thread did not get to run); the first verdict only takes its
+          count, so one asleep and using none is evicted at the second (`_working_here`);
         - one whose data kept arriving over the job's connections (within half the timeout): its
           heartbeats were lost on a link that a big transfer saturates (a drop-tail queue
           drops the small datagrams of the other flows), or its heartbeat thread starved.
@@ -249,7 +256,7 @@ class Heartbeat:
         busy: list[Peer] = []
         silent: list[Peer] = []
         for p in verdict[1]:
-            if same_host(p, self.machine, self.view) and _running(p.pid):
+            if same_host(p, self.machine, self.view) and self._working_here(p.pid):
                 starved.append(p)
                 continue
             quiet = self.quiet_for(p.rank)
@@ -274,6 +281,23 @@ class Heartbeat:
             logger.warning("ranks %s missed their heartbeats but their data keeps arriving (a "
                         "saturated link?); not evicted", [p.rank for p in busy])
         return None
+
+    def _working_here(self, pid: int) -> bool:
+        """True for a process of this machine that may yet answer: runnable (R: waiting for a
+        core), or its CPU time (every thread's, utime + stime) moved since its last verdict, or
+        this is its first verdict. False for one that ended, is stopped, or sleeps (S, D)
+        through a whole timeout without a tick of CPU: every thread is blocked, and its
+        heartbeat thread with them, so it will not answer however long it is spared."""
+        fields = process_stat(pid)
+        if not fields or fields[0] in (*ENDED, *STOPPED):
+            return False
+        try:
+            ticks = int(fields[11]) + int(fields[12])  # proc(5) fields 14 and 15
+        except (IndexError, ValueError):
+            return True  # unreadable counts: spared, as before this check
+        before = self._cpu_seen.get(pid)
+        self._cpu_seen[pid] = ticks
+        return fields[0] == "R" or before is None or ticks != before
 
     def _next_verdict(self) -> float:
         """The first moment after now at which a watched peer could cross the timeout (inf:
@@ -358,10 +382,6 @@ def same_host(p: Peer, machine: str, view: str) -> bool:
     if p.view and view:
         return p.view == view
     return bool(machine) and p.machine == machine
-
-
-def _running(pid: int) -> bool:
-    return process_state(pid) not in (*ENDED, *STOPPED)
 
 
 def probe(address: tuple[str, int], timeout: float = 0.5) -> bool:

@@ -203,11 +203,16 @@ def test_the_heartbeat_thread_wakes_once_a_ping_interval_not_at_every_datagram(m
     assert heard < 3 * a.interval_s, f"the peer was last heard {heard:.2f} s ago"
 
 
-def test_a_running_peer_under_another_name_of_this_machine_is_spared():
-    """`localhost` and `127.0.0.1` are one machine: the view, not the name, decides."""
+def _spinning():
+    """A process of this machine that uses CPU all the time (a starved worker's stand-in)."""
     import subprocess
 
-    running = subprocess.Popen(["sleep", "60"])
+    return subprocess.Popen(["sh", "-c", "while :; do :; done"])
+
+
+def test_a_running_peer_under_another_name_of_this_machine_is_spared():
+    """`localhost` and `127.0.0.1` are one machine: the view, not the name, decides."""
+    running = _spinning()
     try:
         for name, view, expect in (("another-name", heartbeat.this_view(), []),
                                    ("here", "another:kernel:or:namespace", [("lost", [1])])):
@@ -277,11 +282,11 @@ def test_peers_that_fall_silent_together_are_judged_together():
 
 
 def test_a_silent_peer_that_runs_on_this_machine_is_spared_a_stopped_one_is_not():
-    """Silence from a process here that is not stopped is CPU starvation, not a freeze."""
+    """Silence from a process here that uses CPU is starvation, not a freeze."""
     import signal
     import subprocess
 
-    running = subprocess.Popen(["sleep", "60"])
+    running = _spinning()
     stopped = subprocess.Popen(["sleep", "60"])
     try:
         os.kill(stopped.pid, signal.SIGSTOP)
@@ -292,6 +297,24 @@ def test_a_silent_peer_that_runs_on_this_machine_is_spared_a_stopped_one_is_not(
         for p in (running, stopped):
             p.kill()
             p.wait()
+
+
+def test_a_silent_peer_here_asleep_without_cpu_is_evicted_at_its_second_verdict():
+    """A rank whose every thread is blocked (Horovod's enqueue holding the GIL after its loop
+    died: seen under load) sleeps in state S and never answers again; spared as starved at
+    every verdict, it hung the job until its outer limit. Spared once, then evicted."""
+    import subprocess
+
+    asleep = subprocess.Popen(["sleep", "60"])
+    try:
+        t0 = time.monotonic()
+        verdicts = _verdict_here(lambda addr: heartbeat.Peer(1, addr, "here", asleep.pid))
+        took = time.monotonic() - t0
+        assert verdicts == [("lost", [1])]
+        assert took > 2 * 0.5, f"evicted after {took:.2f} s: the first verdict must spare it"
+    finally:
+        asleep.kill()
+        asleep.wait()
 
 
 def test_a_failed_wait_for_peers_restarts_the_clock(tmp_path):
