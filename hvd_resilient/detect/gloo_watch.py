@@ -17,6 +17,17 @@ connections (its `offer`, through `detect.Detectors`), and a connection whose mi
 another rank holds joins two workers of this job. The driver, the rendezvous store, the object
 store and anything else outside the job are never touched.
 
+A kick that does not end the wait: once this rank failed its own collectives, its main thread
+must see them fail. Horovod's Gloo loop was seen to sit out the whole Gloo timeout in a send
+(`unbound_buffer.cc`: "Timed out waiting 20000ms for send operation") after every socket of
+this process had been shut down, 1 run in 6 of `test_hangup.py` beside a spinning neighbour.
+So after a kick, a main thread that stays `KICKED_WAIT_S` inside one call of Horovod's or
+torch.distributed's code, and has not taken up the failure (`stand_down`/`disarm`), is stuck in
+a wait no socket ends: this process writes every thread's stack and exits with HUNG_EXIT_CODE,
+the one thing every launcher already handles (a dead worker), instead of holding the job to the
+Gloo timeout. A main thread that computes, loads data or runs any other code is left alone:
+its next collective fails at once.
+
 What it cannot tell apart: a host that vanishes without closing its connections (power loss,
 network partition, a kernel that stops answering) sends no hang-up; the heartbeats
 (`silent_peers`) find those. A slow rank or a slow link is never taken for a failure, because
@@ -30,12 +41,14 @@ import os
 import select
 import socket
 import struct
+import sys
 import threading
 import time
 from typing import Any
 
 from hvd_resilient.detect import tcp_sockets
 from hvd_resilient.detect.wakeup import Stop
+from hvd_resilient.errors import HUNG_EXIT_CODE, exit_now
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +56,9 @@ _HANGUP = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0x2000)
 # Before acting on a hang-up, wait this long for a disarm: a peer that leaves on purpose (a reset
 # or the end of training reached it a moment before us) hangs up too, and must not count.
 GRACE_S = 0.05
+KICKED_WAIT_S = 1.0
+"""After a kick, how long the main thread may stay in one collective call before the kick is
+taken to have missed its wait. The failure normally reaches it in milliseconds."""
 
 
 Conn = tuple[tuple[str, int], tuple[str, int]]  # (local, remote) as this process sees it
@@ -207,6 +223,7 @@ class GlooWatch:
                 logger.warning("%s: a peer is gone; failing this rank's collectives so the job "
                             "resets now", self.detail)
                 self._kick(socks)
+                self._expect_failure(stop)
             return
 
     def trip(self, detail: str) -> None:
@@ -218,6 +235,13 @@ class GlooWatch:
             self.detected_at = time.time()
             self.detail = detail
             self._kick(self._socks)
+            self._expect_failure(self._stop)
+
+    def _expect_failure(self, stop: Stop | threading.Event) -> None:
+        """After a kick: the main thread must take up the failure (`stand_down` or `disarm`
+        set `stop`) or show that it is still working; see the module's docstring."""
+        threading.Thread(target=_exit_if_stuck, args=(stop, KICKED_WAIT_S), daemon=True,
+                         name="hvd-resilient-kick-deadline").start()
 
     @staticmethod
     def _kick(socks: list[socket.socket]) -> None:
@@ -226,3 +250,40 @@ class GlooWatch:
                 s.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+
+
+COLLECTIVE_CODE = (f"{os.sep}horovod{os.sep}", f"{os.sep}torch{os.sep}distributed{os.sep}")
+"""Where a main thread waiting in a collective is, in Python terms (Horovod's `synchronize`
+spins in C under one Python frame; torch.distributed's waits block under one)."""
+
+
+def _main_thread_place() -> tuple[int, int, str] | None:
+    """The main thread's innermost Python frame (identity, last instruction, file); None when
+    it has none."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    if frame is None:
+        return None
+    return id(frame), frame.f_lasti, frame.f_code.co_filename
+
+
+def _exit_if_stuck(stop: Stop | threading.Event, limit_s: float, poll_s: float = 0.1) -> None:
+    """Returns once `stop` is set; exits the process if first the main thread sits `limit_s`
+    on one instruction of a collective library's code (one call that has not returned).
+    CPU time cannot tell that apart from work: Horovod's `synchronize` spins."""
+    place, since = _main_thread_place(), time.monotonic()
+    while not stop.wait(poll_s):
+        now_place = _main_thread_place()
+        if now_place != place:
+            place, since = now_place, time.monotonic()
+            continue
+        if place is None or not any(c in place[2] for c in COLLECTIVE_CODE):
+            continue
+        if time.monotonic() - since >= limit_s and not stop.is_set():
+            logger.error("this rank failed its collectives but its main thread is still in "
+                         "one after %.1f s (a wait no hang-up ends); exiting (code %d) so the "
+                         "job resets now, not at the Gloo timeout; stacks follow",
+                         limit_s, HUNG_EXIT_CODE)
+            import faulthandler
+
+            faulthandler.dump_traceback(all_threads=True)
+            exit_now(HUNG_EXIT_CODE)

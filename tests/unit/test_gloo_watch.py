@@ -223,3 +223,43 @@ def test_driver_watch_finds_a_local_driver_ended_while_its_port_still_answers(pi
     elsewhere = "other-boot:1:2:3|" + env[driver_watch.DRIVER_ENV].split("|", 1)[1]
     assert driver_watch.local_driver({driver_watch.DRIVER_ENV: elsewhere}) is None
     assert driver_watch.local_driver({}) is None
+
+
+_STUCK = """
+import sys, threading, time
+sys.path.insert(0, {lib!r})
+from horovod import fake
+from hvd_resilient.detect import gloo_watch
+stop = threading.Event()
+threading.Thread(target=gloo_watch._exit_if_stuck, args=(stop, 0.3), daemon=True).start()
+{main}
+print("survived", flush=True)
+"""
+
+
+@pytest.mark.parametrize("main,stuck", [
+    # the kick missed the wait: one call of a collective library that does not return
+    ("fake.synchronize(3.0)", True),
+    # the main thread works (its own code, not inside a collective): its next collective fails
+    ("end = time.time() + 1.0\nwhile time.time() < end: sum(range(1000))", False),
+    # the failure was taken up (stand_down sets the stop) before the limit
+    ("threading.Timer(0.1, stop.set).start()\nfake.synchronize(1.0)", False),
+])
+def test_a_rank_still_in_a_collective_after_its_kick_exits(tmp_path, main, stuck):
+    """Horovod's Gloo loop sat out the Gloo timeout in a send after every socket was shut (1
+    run in 6 of test_hangup.py beside a spinning neighbour): such a rank must exit, not wait."""
+    lib = tmp_path / "lib"
+    (lib / "horovod").mkdir(parents=True)
+    (lib / "horovod" / "__init__.py").write_text("")
+    (lib / "horovod" / "fake.py").write_text(
+        "import time\n\ndef synchronize(seconds):\n    time.sleep(seconds)\n")
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", _STUCK.format(lib=str(lib), main=main)],
+                          capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - t0
+    if stuck:
+        assert done.returncode == 77, done.stderr[-2000:]
+        assert "still in one" in done.stderr and "synchronize" in done.stderr, done.stderr
+        assert "survived" not in done.stdout and took < 2.9, took
+    else:
+        assert done.returncode == 0 and "survived" in done.stdout, done.stderr[-2000:]
