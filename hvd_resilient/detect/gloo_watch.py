@@ -36,6 +36,7 @@ nothing hangs up.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -44,6 +45,7 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from hvd_resilient.detect import tcp_sockets
@@ -56,6 +58,9 @@ _HANGUP = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0x2000)
 # Before acting on a hang-up, wait this long for a disarm: a peer that leaves on purpose (a reset
 # or the end of training reached it a moment before us) hangs up too, and must not count.
 GRACE_S = 0.05
+SHUTDOWN_WAIT_S = 3.0
+"""How long Horovod's `shutdown` may take in a reset before its loop is taken to be stuck; it
+takes milliseconds when the loop's operations failed as they should."""
 KICKED_WAIT_S = 1.0
 """After a kick, how long the main thread may stay in one collective call before the kick is
 taken to have missed its wait. The failure normally reaches it in milliseconds."""
@@ -240,7 +245,8 @@ class GlooWatch:
     def _expect_failure(self, stop: Stop | threading.Event) -> None:
         """After a kick: the main thread must take up the failure (`stand_down` or `disarm`
         set `stop`) or show that it is still working; see the module's docstring."""
-        threading.Thread(target=_exit_if_stuck, args=(stop, KICKED_WAIT_S), daemon=True,
+        threading.Thread(target=_exit_if_stuck,
+                         args=(stop, KICKED_WAIT_S, "failed its collectives but"), daemon=True,
                          name="hvd-resilient-kick-deadline").start()
 
     @staticmethod
@@ -266,7 +272,24 @@ def _main_thread_place() -> tuple[int, int, str] | None:
     return id(frame), frame.f_lasti, frame.f_code.co_filename
 
 
-def _exit_if_stuck(stop: Stop | threading.Event, limit_s: float, poll_s: float = 0.1) -> None:
+@contextlib.contextmanager
+def exit_if_stuck(what: str, limit_s: float = SHUTDOWN_WAIT_S) -> Iterator[None]:
+    """Around one call into the collective library that must return soon after a failure
+    (Horovod's `shutdown`, which joins its background loop): if the main thread is still in it
+    after `limit_s`, the loop is stuck in a wait that no hang-up ended (seen: a Gloo recv held
+    `hvd.shutdown()` for the whole 30 s Gloo timeout, 1 of 20 random kills on an idle
+    machine), and this process exits as a dead worker instead of holding the job."""
+    done = threading.Event()
+    threading.Thread(target=_exit_if_stuck, args=(done, limit_s, what), daemon=True,
+                     name="hvd-resilient-call-deadline").start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
+def _exit_if_stuck(stop: Stop | threading.Event, limit_s: float, what: str,
+                   poll_s: float = 0.1) -> None:
     """Returns once `stop` is set; exits the process if first the main thread sits `limit_s`
     on one instruction of a collective library's code (one call that has not returned).
     CPU time cannot tell that apart from work: Horovod's `synchronize` spins."""
@@ -279,10 +302,10 @@ def _exit_if_stuck(stop: Stop | threading.Event, limit_s: float, poll_s: float =
         if place is None or not any(c in place[2] for c in COLLECTIVE_CODE):
             continue
         if time.monotonic() - since >= limit_s and not stop.is_set():
-            logger.error("this rank failed its collectives but its main thread is still in "
-                         "one after %.1f s (a wait no hang-up ends); exiting (code %d) so the "
-                         "job resets now, not at the Gloo timeout; stacks follow",
-                         limit_s, HUNG_EXIT_CODE)
+            logger.error("this rank %s its main thread is still in %s after %.1f s (a wait "
+                         "no hang-up ends); exiting (code %d) so the job resets now, not at "
+                         "the Gloo timeout; stacks follow", what, place[2], limit_s,
+                         HUNG_EXIT_CODE)
             import faulthandler
 
             faulthandler.dump_traceback(all_threads=True)

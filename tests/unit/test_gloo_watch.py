@@ -231,7 +231,8 @@ sys.path.insert(0, {lib!r})
 from horovod import fake
 from hvd_resilient.detect import gloo_watch
 stop = threading.Event()
-threading.Thread(target=gloo_watch._exit_if_stuck, args=(stop, 0.3), daemon=True).start()
+threading.Thread(target=gloo_watch._exit_if_stuck, args=(stop, 0.3, 'failed its collectives but'),
+                 daemon=True).start()
 {main}
 print("survived", flush=True)
 """
@@ -259,7 +260,29 @@ def test_a_rank_still_in_a_collective_after_its_kick_exits(tmp_path, main, stuck
     took = time.monotonic() - t0
     if stuck:
         assert done.returncode == 77, done.stderr[-2000:]
-        assert "still in one" in done.stderr and "synchronize" in done.stderr, done.stderr
+        assert "still in" in done.stderr and "fake.py" in done.stderr, done.stderr
+        assert "synchronize" in done.stderr, "the stacks are written"
         assert "survived" not in done.stdout and took < 2.9, took
     else:
         assert done.returncode == 0 and "survived" in done.stdout, done.stderr[-2000:]
+
+
+def test_a_reset_whose_horovod_shutdown_does_not_return_exits(tmp_path):
+    """`hvd.shutdown()` joins Horovod's loop; a loop stuck in a Gloo recv held it for the whole
+    30 s Gloo timeout (1 of 20 random kills, idle machine): the rank exits instead."""
+    lib = tmp_path / "lib"
+    (lib / "horovod").mkdir(parents=True)
+    (lib / "horovod" / "__init__.py").write_text("")
+    (lib / "horovod" / "fake.py").write_text(
+        "import time\n\ndef shutdown(seconds):\n    time.sleep(seconds)\n")
+    script = (f"import sys\nsys.path.insert(0, {str(lib)!r})\nfrom horovod import fake\n"
+              "from hvd_resilient.detect import gloo_watch\n"
+              "with gloo_watch.exit_if_stuck('reset:', 0.3):\n    fake.shutdown(0.05)\n"
+              "print('quick one returned', flush=True)\n"
+              "with gloo_watch.exit_if_stuck('reset:', 0.3):\n    fake.shutdown(5)\n"
+              "print('survived', flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)
+    assert "quick one returned" in done.stdout and "survived" not in done.stdout, done.stdout
+    assert done.returncode == 77 and "this rank reset: its main thread" in done.stderr, (
+        done.stderr[-2000:])

@@ -25,7 +25,7 @@ from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrup
 from hvd_resilient.backends.horovod import driver_watch, leaving, lost_slots, slots
 from hvd_resilient.backends.horovod.state import ElasticState, is_elastic
 from hvd_resilient.backends.threads import share_cores
-from hvd_resilient.detect import Detectors, hangup, progress
+from hvd_resilient.detect import Detectors, gloo_watch, hangup, progress
 from hvd_resilient.detect.gloo_watch import GlooWatch
 from hvd_resilient.detect.silent_peers import SilentPeers
 from hvd_resilient.errors import HUNG_EXIT_CODE, exit_now, one_line
@@ -185,7 +185,8 @@ def _reset(state: ElasticState, detected: float) -> None:
     """Horovod re-formed: this worker joins the new world."""
     old_size = hvd.size()
     with progress.section("reset", None):  # the driver may wait minutes for hosts
-        hvd.shutdown()
+        with gloo_watch.exit_if_stuck("reset:"):  # a loop stuck in Gloo holds shutdown
+            hvd.shutdown()
         hvd.init()
         state.on_reset()
     state.events.emit("reset", old_size=old_size, new_size=hvd.size(),
