@@ -245,9 +245,7 @@ class GlooWatch:
     def _expect_failure(self, stop: Stop | threading.Event) -> None:
         """After a kick: the main thread must take up the failure (`stand_down` or `disarm`
         set `stop`) or show that it is still working; see the module's docstring."""
-        threading.Thread(target=_exit_if_stuck,
-                         args=(stop, KICKED_WAIT_S, "failed its collectives but"), daemon=True,
-                         name="hvd-resilient-kick-deadline").start()
+        _start_deadline(stop, KICKED_WAIT_S, "failed its collectives but")
 
     @staticmethod
     def _kick(socks: list[socket.socket]) -> None:
@@ -280,12 +278,16 @@ def exit_if_stuck(what: str, limit_s: float = SHUTDOWN_WAIT_S) -> Iterator[None]
     `hvd.shutdown()` for the whole 30 s Gloo timeout, 1 of 20 random kills on an idle
     machine), and this process exits as a dead worker instead of holding the job."""
     done = threading.Event()
-    threading.Thread(target=_exit_if_stuck, args=(done, limit_s, what), daemon=True,
-                     name="hvd-resilient-call-deadline").start()
+    _start_deadline(done, limit_s, what)
     try:
         yield
     finally:
         done.set()
+
+
+def _start_deadline(stop: Stop | threading.Event, limit_s: float, what: str) -> None:
+    threading.Thread(target=_exit_if_stuck, args=(stop, limit_s, what), daemon=True,
+                     name="hvd-resilient-deadline").start()
 
 
 def _exit_if_stuck(stop: Stop | threading.Event, limit_s: float, what: str,

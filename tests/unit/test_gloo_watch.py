@@ -225,6 +225,17 @@ def test_driver_watch_finds_a_local_driver_ended_while_its_port_still_answers(pi
     assert driver_watch.local_driver({}) is None
 
 
+def _fake_horovod(tmp_path, name: str) -> str:
+    """A folder holding a `horovod.fake` module whose `name(seconds)` sleeps: a call into the
+    collective library, by its file's path, that returns when told."""
+    lib = tmp_path / "lib"
+    (lib / "horovod").mkdir(parents=True)
+    (lib / "horovod" / "__init__.py").write_text("")
+    (lib / "horovod" / "fake.py").write_text(
+        f"import time\n\ndef {name}(seconds):\n    time.sleep(seconds)\n")
+    return str(lib)
+
+
 _STUCK = """
 import sys, threading, time
 sys.path.insert(0, {lib!r})
@@ -249,13 +260,9 @@ print("survived", flush=True)
 def test_a_rank_still_in_a_collective_after_its_kick_exits(tmp_path, main, stuck):
     """Horovod's Gloo loop sat out the Gloo timeout in a send after every socket was shut (1
     run in 6 of test_hangup.py beside a spinning neighbour): such a rank must exit, not wait."""
-    lib = tmp_path / "lib"
-    (lib / "horovod").mkdir(parents=True)
-    (lib / "horovod" / "__init__.py").write_text("")
-    (lib / "horovod" / "fake.py").write_text(
-        "import time\n\ndef synchronize(seconds):\n    time.sleep(seconds)\n")
+    lib = _fake_horovod(tmp_path, "synchronize")
     t0 = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", _STUCK.format(lib=str(lib), main=main)],
+    done = subprocess.run([sys.executable, "-c", _STUCK.format(lib=lib, main=main)],
                           capture_output=True, text=True, timeout=60)
     took = time.monotonic() - t0
     if stuck:
@@ -270,12 +277,8 @@ def test_a_rank_still_in_a_collective_after_its_kick_exits(tmp_path, main, stuck
 def test_a_reset_whose_horovod_shutdown_does_not_return_exits(tmp_path):
     """`hvd.shutdown()` joins Horovod's loop; a loop stuck in a Gloo recv held it for the whole
     30 s Gloo timeout (1 of 20 random kills, idle machine): the rank exits instead."""
-    lib = tmp_path / "lib"
-    (lib / "horovod").mkdir(parents=True)
-    (lib / "horovod" / "__init__.py").write_text("")
-    (lib / "horovod" / "fake.py").write_text(
-        "import time\n\ndef shutdown(seconds):\n    time.sleep(seconds)\n")
-    script = (f"import sys\nsys.path.insert(0, {str(lib)!r})\nfrom horovod import fake\n"
+    lib = _fake_horovod(tmp_path, "shutdown")
+    script = (f"import sys\nsys.path.insert(0, {lib!r})\nfrom horovod import fake\n"
               "from hvd_resilient.detect import gloo_watch\n"
               "with gloo_watch.exit_if_stuck('reset:', 0.3):\n    fake.shutdown(0.05)\n"
               "print('quick one returned', flush=True)\n"
