@@ -138,6 +138,7 @@ class Scenario:
     resume_from: str = "memory"  # durable_only: where ours must resume from (expected_source)
     busy: int = 0  # processes spinning on a core beside the job (a busy neighbour)
     run_args: list[str] = field(default_factory=list)  # `hvd-resilient run` flags, for ours
+    watch: bool = False  # ours: the hosts file watched (HVD_RESILIENT_DISCOVERY_WATCH)
 
 
 def scenarios() -> list[Scenario]:
@@ -165,6 +166,14 @@ def scenarios() -> list[Scenario]:
         Scenario("host_added_pool", "host added via discovery, a warm pool on its machine",
                  "localhost:2", 2, 2, 4, change_to="localhost:2\n127.0.0.1:2", steps=1200,
                  env={"HVD_RESILIENT_WARM_POOL": "1"}),
+        # ... and the hosts file watched (--discovery-watch): no wait for the once-a-second poll.
+        Scenario("host_added_pool_watch", "host added via discovery, a warm pool on its "
+                 "machine, the hosts file watched", "localhost:2", 2, 2, 4,
+                 change_to="localhost:2\n127.0.0.1:2", steps=1200,
+                 env={"HVD_RESILIENT_WARM_POOL": "1"}, watch=True, vanilla=False),
+        Scenario("host_removed_watch", "host removed via discovery, the hosts file watched",
+                 "localhost:2\n127.0.0.1:2", 4, 2, 4, change_to="localhost:2", watch=True,
+                 vanilla=False),
         Scenario("host_added_cold", "host added via discovery, standby workers off",
                  "localhost:2", 2, 2, 4, change_to="localhost:2\n127.0.0.1:2", steps=1200,
                  env={"HVD_RESILIENT_STANDBY": "0"}, vanilla=False),
@@ -327,6 +336,10 @@ def run_once(sc: Scenario, stack: str, work: Path, timeout: float) -> dict[str, 
                PATH=f"{VENV_BIN}:{os.environ.get('PATH', '')}", HVD_RESILIENT_FAULT=sc.fault,
                HVD_RESILIENT_STORE_MEMORY_DIR=str(shm),
                **(sc.env if stack != "vanilla" else {}))
+    if stack != "vanilla":  # as `hvd-resilient run` sets it: the driver's events in the log too
+        env["HVD_RESILIENT_RUN_DIR"] = str(run)
+    if sc.watch and stack != "vanilla":
+        env["HVD_RESILIENT_DISCOVERY_WATCH"] = str(hosts)
     events_path = run / "events.jsonl"
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"],
                              stdin=subprocess.DEVNULL, start_new_session=True)

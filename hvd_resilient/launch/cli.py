@@ -128,6 +128,15 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser | None = N
     if opts.get("discovery") and opts["launcher"] != "horovod":
         raise ConfigError("run: --discovery needs --launcher horovod (torchrun and MPI find "
                           "their hosts themselves)")
+    watch = opts.get("discovery_watch")
+    if watch and not opts.get("discovery"):
+        raise ConfigError("run: --discovery-watch needs --discovery (it runs that script when "
+                          "the file changes)")
+    if watch and not os.path.isfile(watch):
+        raise ConfigError(f"run: --discovery-watch {watch} is not a file; name the hosts file "
+                          "your discovery script reads")
+    if watch:
+        opts["discovery_watch"] = os.path.abspath(watch)
     check_sizes(opts)
     refuse_credentials(opts["checkpoint"], "run: --checkpoint")
     if opts["checkpoint"]:
@@ -341,6 +350,8 @@ def main(argv: list[str]) -> int:
         env["HVD_RESILIENT_SLOT_HOSTS"] = "0"  # read by the driver (launch/horovod/driver.py)
     if opts["launcher"] == "horovod" and opts["warm_pool"]:
         env["HVD_RESILIENT_WARM_POOL"] = "1"  # likewise
+    if opts.get("discovery_watch"):
+        env["HVD_RESILIENT_DISCOVERY_WATCH"] = opts["discovery_watch"]  # likewise
     forwarded = sorted(k for k in env if k.startswith(FORWARDED_PREFIXES))
     cmd = launcher_command(opts, forwarded)
     if opts["dry_run"]:

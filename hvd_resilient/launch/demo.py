@@ -200,7 +200,8 @@ def main(argv: list[str]) -> int:
         "--block", "64", "--batch-size", "16", "--data-num-workers", "1",
         "--shard-windows", "500",
     ])
-    env = dict(os.environ)
+    # as --discovery-watch: the script runs as soon as the hosts file changes, not at the poll
+    env = dict(os.environ, HVD_RESILIENT_DISCOVERY_WATCH=str(hosts))
     if not a.no_warm_pool:  # as --warm-pool: this machine's workers fork from a warm process
         env.update(HVD_RESILIENT_WARM_POOL="1", HVD_RESILIENT_RUN_DIR=str(run_dir))
     if not a.interactive:

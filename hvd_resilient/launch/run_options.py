@@ -28,6 +28,9 @@ class RunOptions:
     discovery: str | None = setting(None, metavar="SCRIPT")
     """Host-discovery executable printing host:slots lines; makes a horovod job elastic
     (default: none, a static job)."""
+    discovery_watch: str | None = setting(None, metavar="FILE")
+    """Horovod with --discovery: a file the script reads (a hosts file); the script runs as soon
+    as it changes, not at the next once-a-second poll (default: the poll only)."""
     np: int = 2
     """Processes to start; with --discovery the first world size; torchrun: processes per
     node."""

@@ -74,6 +74,15 @@ def test_elastic_dry_run_sets_the_flags_that_matter(tmp_path):
     assert pooled.returncode == 0, pooled.stderr
     assert "HVD_RESILIENT_WARM_POOL=1" in pooled.stdout.splitlines()[1:]
     assert "HVD_RESILIENT_WARM_POOL=1" not in plain.stdout
+    # --discovery-watch too, as an absolute path (the driver runs in the run folder)
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("localhost:2\n")
+    watched = cli("run", "--discovery", str(d), "--np", "2", "--discovery-watch",
+                  os.path.relpath(hosts), "--run-dir", str(tmp_path), "--dry-run", "--",
+                  "python", "t.py")
+    assert watched.returncode == 0, watched.stderr
+    assert f"HVD_RESILIENT_DISCOVERY_WATCH={hosts}" in watched.stdout.splitlines()[1:]
+    assert "HVD_RESILIENT_DISCOVERY_WATCH" not in plain.stdout
 
 
 def test_standby_runs_in_process_only_what_python_itself_would_run_as_is():
@@ -144,6 +153,9 @@ def test_slot_hosts_split_per_slot_and_map_back_to_the_machine():
     (["--np", "5", "--min-np", "1", "--max-np", "4", "--discovery", "/bin/true"],
      "--np 5 must lie between"),
     (["--checkpoint", "ftp://x"], "--checkpoint: unsupported checkpoint URL scheme 'ftp'"),
+    (["--discovery-watch", "/etc/hostname"], "--discovery-watch needs --discovery"),
+    (["--discovery", "/bin/true", "--discovery-watch", "/no/such/hosts.txt"],
+     "--discovery-watch /no/such/hosts.txt is not a file"),
 ])
 def test_bad_options_one_line(tmp_path, argv, needle):
     r = cli("run", "--run-dir", str(tmp_path), *argv, "--", "python", "t.py")

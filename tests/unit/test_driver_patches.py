@@ -20,6 +20,7 @@ from hvd_resilient.launch.horovod import standby as standby_worker
 from hvd_resilient.launch.horovod.options import DriverOptions
 from hvd_resilient.launch.horovod.patches import (
     discovery_check,
+    discovery_watch,
     evict,
     fatal_stop,
     leaving,
@@ -72,13 +73,13 @@ def recorder() -> tuple[list[tuple[Any, ...]], Any]:
 # -- the one order ----------------------------------------------------------------------------
 def test_the_order_is_one_list_and_the_switches_pick_from_it():
     names = [p.name for p in patches.ORDER]
-    assert names == ["discovery_interval", "discovery_check", "slot_hosts", "fatal_stop",
-                     "standby", "evict", "fast_middleman", "leaving"]
+    assert names == ["discovery_interval", "discovery_check", "discovery_watch", "slot_hosts",
+                     "fatal_stop", "standby", "evict", "fast_middleman", "leaving"]
 
     def wanted(options: DriverOptions) -> list[str]:
         return [p.name for p in patches.ORDER if p.wanted(options)]
 
-    assert wanted(DriverOptions()) == names[1:]  # no interval: Horovod's 1 s stays
+    assert wanted(DriverOptions()) == [n for n in names[1:] if n != "discovery_watch"]
     assert wanted(DriverOptions(slot_hosts=False, standby=False, discovery_interval_s=0.5)) \
         == ["discovery_interval", "discovery_check", "fatal_stop", "evict", "fast_middleman",
             "leaving"]
@@ -271,6 +272,20 @@ def test_the_reset_releases_a_standby_once_it_is_ready_and_starts_the_others():
     assert go == {"a+0:0": b"0,2,0,1,0,2", "b+0:0": b"1,2,0,1,1,2"}
     assert driver.started == ["b+0:0", "a+0:0"], "a released standby is not started again"
     assert standby.standby_table(driver) == {}
+    assert httpd.cache[standby_worker.READY] == {}, "a released worker is no standby's READY"
+
+
+def test_a_rendezvous_keeps_the_standbys_ready_and_clears_the_rest():
+    """Horovod's store is cleared by the rendezvous that releases the standbys: their READY
+    must survive it, or the release waits for each one's next beat."""
+    from horovod.runner.http.http_server import RendezvousHTTPServer
+
+    server = SimpleNamespace(cache={standby_worker.READY: {"b+0:0": b"1"},
+                                    "rank_and_size": {"a+0:0": b"x"}},
+                             cache_lock=threading.Lock(), finished_list_lock=threading.Lock(),
+                             finished_list={}, scope_size={}, _extract_scope_size=lambda plan: 0)
+    standby.keeping_ready(RendezvousHTTPServer.init)(server, [])
+    assert server.cache == {standby_worker.READY: {"b+0:0": b"1"}}
 
 
 def test_the_store_lists_the_unreleased_standbys_for_rank_0_after_every_change():
@@ -299,8 +314,10 @@ def test_a_standby_that_exits_before_its_release_is_only_logged():
     driver = grown_driver()
     patch.notify_host_changes(driver, Hosts(["a+0", "b+0"]), "added")
     waiting = standby.standby_table(driver)["b+0:0"]
+    compat.kv_set(driver, standby_worker.READY, "b+0:0", b"1")
     patch.handle_worker_exit(driver, waiting, FATAL_EXIT_CODE, 0.0)
     assert seen["exit"] == [] and standby.standby_table(driver) == {}
+    assert compat.kv_get(driver, standby_worker.READY) == {}, "a dead standby is not ready"
     patch.handle_worker_exit(driver, slot("a+0"), 1, 0.0)  # a released worker: Horovod's
     assert seen["exit"] == [("a+0:0", 1)]
 
@@ -358,3 +375,115 @@ def test_no_slots_are_written_where_no_world_would_form_now():
     told: list[str] = []
     leaving.publishing(lambda *a: told.append(a[2]))(before_any_world, Hosts(["a+0"]), "added")
     assert told == ["added"]
+
+
+# -- the watched hosts file -------------------------------------------------------------------
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _rewrite(path, text: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)  # a new inode: a new identity whatever the clock's granularity
+
+
+def test_a_watched_file_runs_the_script_once_it_changed_and_held_still(tmp_path):
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("a:1\n")
+    clock, runs = Clock(), []
+    pace = discovery_watch.Pace(str(hosts), 1.0, clock)
+    d = SimpleNamespace()
+
+    def run(self: Any) -> str:
+        runs.append(clock.now)
+        return hosts.read_text()
+
+    execute = discovery_watch.paced(run, str(hosts), 1.0)
+    d._hvdr_watch = {"pace": pace, "text": None}
+    assert execute(d) == "a:1\n" and runs == [100.0]  # the first answer, at once
+    clock.now += 0.05
+    assert execute(d) == "a:1\n" and runs == [100.0]  # nothing changed: the last answer
+    _rewrite(hosts, "a:1\nb:1\n")
+    clock.now += 0.05
+    assert execute(d) == "a:1\n" and len(runs) == 1  # changed since the last look: not yet
+    clock.now += 0.05
+    assert execute(d) == "a:1\nb:1\n" and len(runs) == 2  # held still for a tick: run
+    clock.now += 0.05
+    assert execute(d) == "a:1\nb:1\n" and len(runs) == 2
+    clock.now = runs[-1] + 1.0
+    execute(d)
+    assert len(runs) == 3  # the interval still runs it, changed or not
+
+
+def test_a_file_being_rewritten_waits_until_the_writes_stop(tmp_path):
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("a:1\n")
+    clock, runs = Clock(), []
+    d = SimpleNamespace(_hvdr_watch={"pace": discovery_watch.Pace(str(hosts), 10.0, clock),
+                                     "text": None})
+    execute = discovery_watch.paced(lambda self: runs.append(1) or hosts.read_text(),
+                                    str(hosts), 10.0)
+    execute(d)
+    with open(hosts, "a") as f:  # an editor writing in place, a line a tick
+        for line in ("b:1\n", "c:1\n", "d:1\n"):
+            f.write(line)
+            f.flush()
+            clock.now += 0.05
+            assert execute(d) == "a:1\n"
+    clock.now += 0.05
+    assert execute(d) == "a:1\nb:1\nc:1\nd:1\n" and len(runs) == 2
+
+
+def test_a_failing_run_is_retried_at_the_interval_with_the_last_answer_kept(tmp_path):
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("a:1\n")
+    clock, answers = Clock(), ["a:1\n", RuntimeError("Exit code: 3"), "a:1\nb:1\n"]
+    d = SimpleNamespace(_hvdr_watch={"pace": discovery_watch.Pace(str(hosts), 1.0, clock),
+                                     "text": None})
+
+    def run(self: Any) -> str:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    execute = discovery_watch.paced(run, str(hosts), 1.0)
+    assert execute(d) == "a:1\n"
+    clock.now += 1.0
+    with pytest.raises(RuntimeError):  # Horovod warns once and keeps its hosts
+        execute(d)
+    clock.now += 0.05
+    assert execute(d) == "a:1\n" and len(answers) == 1  # not retried every tick
+    clock.now += 1.0
+    assert execute(d) == "a:1\nb:1\n"
+
+
+def test_the_watch_runs_horovods_discovery_on_a_real_script(tmp_path, monkeypatch):
+    """Installed on Horovod's own classes (restored afterwards): the loop ticks, a real
+    script answers, and only a change of the file makes it run again."""
+    from horovod.runner.elastic import discovery, driver
+
+    for name in ("_execute_discovery_script", "find_available_hosts_and_slots"):
+        monkeypatch.setattr(discovery.HostDiscoveryScript, name,
+                            getattr(discovery.HostDiscoveryScript, name))
+    monkeypatch.setattr(driver, "DISCOVER_HOSTS_FREQUENCY_SECS", 1.0)
+    hosts, count = tmp_path / "hosts.txt", tmp_path / "runs"
+    hosts.write_text("a:1\n")
+    script = _script(tmp_path, f"echo run >> {count}; cat {hosts}\n")._discovery_script
+    ctx = PatchContext(DriverOptions(discovery_watch=str(hosts)))
+    patches.install(ctx, tuple(p for p in patches.ORDER
+                               if p.name in ("discovery_check", "discovery_watch")))
+    assert driver.DISCOVER_HOSTS_FREQUENCY_SECS == discovery_watch.TICK_S
+    found = discovery.HostDiscoveryScript(script, 1)
+    assert found.find_available_hosts_and_slots() == {"a": 1}
+    assert found.find_available_hosts_and_slots() == {"a": 1}
+    assert count.read_text().count("run") == 1
+    _rewrite(hosts, "a:1\nb:2\n")
+    assert found.find_available_hosts_and_slots() == {"a": 1}  # seen, not yet still
+    assert found.find_available_hosts_and_slots() == {"a": 1, "b": 2}
+    assert count.read_text().count("run") == 2

@@ -42,6 +42,7 @@ DRIVER_TARGETS = (
     ("horovod.runner.elastic.driver", "ElasticDriver.finished"),
     ("horovod.runner.elastic.registration", "WorkerStateRegistry._wait"),
     ("horovod.runner.http.http_server", "RendezvousHTTPServer.handle_error"),
+    ("horovod.runner.http.http_server", "RendezvousHTTPServer.init"),
     ("horovod.runner.common.util.safe_shell_exec", "multiprocessing"),
     ("horovod.runner.common.util.safe_shell_exec", "_exec_middleman"),
 )

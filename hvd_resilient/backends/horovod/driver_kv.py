@@ -4,7 +4,8 @@ WARMING and the NEXT_SLOTS of a host change) and the HTTP calls on them.
 
 The store is Horovod's rendezvous server (`HOROVOD_GLOO_RENDEZVOUS_ADDR`/`PORT`), which every
 elastic worker is given; Horovod clears it at each rendezvous, so whoever writes a key writes it
-again (a standby its READY every second, the driver its WARMING list after each rendezvous).
+again (the driver its WARMING list after each rendezvous; a standby's READY is kept across it
+by the driver, and said again by the standby every 0.2 s all the same).
 Here, below `launch/`, because a training worker (rank 0 deciding when to reset) reads it too.
 """
 

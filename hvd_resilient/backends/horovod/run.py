@@ -185,12 +185,17 @@ def _reset(state: ElasticState, detected: float) -> None:
     """Horovod re-formed: this worker joins the new world."""
     old_size = hvd.size()
     with progress.section("reset", None):  # the driver may wait minutes for hosts
+        t0 = time.time()
         with gloo_watch.exit_if_stuck("reset:"):  # a loop stuck in Gloo holds shutdown
             hvd.shutdown()
-        hvd.init()
+        t1 = time.time()
+        hvd.init()  # the driver's rendezvous, then the new world's Gloo connections
+        t2 = time.time()
         state.on_reset()
+    # where a reset's time goes: shutdown (the old loop joined), init, the state's own reset
     state.events.emit("reset", old_size=old_size, new_size=hvd.size(),
-                      seconds=round(time.time() - detected, 6))
+                      seconds=round(time.time() - detected, 6), shutdown_s=round(t1 - t0, 4),
+                      init_s=round(t2 - t1, 4), state_s=round(time.time() - t2, 4))
     if hvd.rank() == 0:
         logger.info("reset: world size %d -> %d", old_size, hvd.size())
 

@@ -23,6 +23,9 @@ WARM_POOL_ENV = "HVD_RESILIENT_WARM_POOL"
 """`1`: a warm pool on the driver's machine forks its workers (`--warm-pool` sets it)."""
 INTERVAL_ENV = "HVD_RESILIENT_DISCOVERY_INTERVAL"
 """Seconds between runs of the discovery script (unset: Horovod's 1 s)."""
+WATCH_ENV = "HVD_RESILIENT_DISCOVERY_WATCH"
+"""A file the discovery script reads: the script runs as soon as it changes
+(`--discovery-watch` sets it)."""
 RUN_DIR_ENV = "HVD_RESILIENT_RUN_DIR"
 """The run folder `hvd-resilient run` gives the job: the driver's events go to its log."""
 
@@ -39,6 +42,8 @@ class DriverOptions:
     """The standbys of this machine forked from a warm pool (`warm_pool_server.py`)."""
     discovery_interval_s: float | None = None
     """How often Horovod runs the discovery script; None keeps Horovod's 1 s."""
+    discovery_watch: str | None = None
+    """A file whose change runs the discovery script at once (`patches/discovery_watch.py`)."""
     run_dir: str = ""
     """The run folder ("" outside `hvd-resilient run`: no event log)."""
     ssh_port: str | None = None
@@ -59,6 +64,7 @@ class DriverOptions:
                    standby=env.get(STANDBY_ENV, "1") != "0",
                    warm_pool=env.get(WARM_POOL_ENV, "0") == "1",
                    discovery_interval_s=_interval(env.get(INTERVAL_ENV, "")),
+                   discovery_watch=env.get(WATCH_ENV) or None,
                    run_dir=env.get(RUN_DIR_ENV, ""), ssh_port=port, ssh_identity=identity)
 
 

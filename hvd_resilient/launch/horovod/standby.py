@@ -30,9 +30,10 @@ from hvd_resilient.launch.horovod import warm_pool
 
 MAX_WAIT_S = 900.0  # a standby never released (its host left again) exits quietly
 READY_AGAIN_S = 0.2
-"""How often a waiting standby says READY again. The reset that takes it in starts with a
-rendezvous, which clears the driver's store, and the driver then waits for a READY before it
-releases the standby: with 1 s, that wait was part of every growth's stall (2.2 s measured)."""
+"""How often a waiting standby says READY again: a driver restarted in place of a dead one,
+or one whose store lost the key, hears it within this. The driver keeps a READY across its
+rendezvous, which clears the rest of its store (`patches/standby.py`, `keeping_ready`): had
+the standby's next beat been waited for, it would be in the stall of every growth."""
 
 
 #: What the go carries: the slot's place in the world the standby is released into.

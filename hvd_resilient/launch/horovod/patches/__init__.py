@@ -22,6 +22,7 @@ from hvd_resilient.launch.horovod.options import DriverOptions
 from hvd_resilient.launch.horovod.patches import (
     discovery_check,
     discovery_interval,
+    discovery_watch,
     evict,
     fast_middleman,
     fatal_stop,
@@ -49,6 +50,9 @@ ORDER: tuple[Patch, ...] = (
     # Replaces HostDiscoveryScript.find_available_hosts_and_slots outright: before the
     # slot split, which wraps the checked answer.
     Patch("discovery_check", discovery_check.install),
+    # HVD_RESILIENT_DISCOVERY_WATCH: wraps the script's run that discovery_check put in place,
+    # and sets the loop's period after discovery_interval (it reads that interval).
+    Patch("discovery_watch", discovery_watch.install, lambda o: o.discovery_watch is not None),
     # HVD_RESILIENT_SLOT_HOSTS: splits what discovery answers (checked, above).
     Patch("slot_hosts", slot_hosts.install, lambda o: o.slot_hosts),
     # Wraps _handle_worker_exit: before the standby, which wraps it again, so that a standby

@@ -160,6 +160,7 @@ class Standby:
         self.wait_until_warm(driver, warming)
         for s in pending_slots:
             compat.kv_set(driver, driver_kv.GO, slot_key(s), standby_worker.slot_env(s))
+            compat.kv_set(driver, driver_kv.READY, slot_key(s), None)  # it said so as a standby
             with self.lock:
                 released = standby.pop(slot_key(s), None) is not None
             if not released:
@@ -178,6 +179,7 @@ class Standby:
             if unreleased:
                 del standby[slot_key(slot)]
         if unreleased:
+            compat.kv_set(driver, driver_kv.READY, slot_key(slot), None)
             self.publish(driver)
             logger.warning("standby worker for %s exited (code %s) before its release; the "
                            "slot will start a fresh worker at the reset", slot_key(slot),
@@ -223,6 +225,23 @@ class Standby:
         return pool
 
 
+def keeping_ready(init: Callable[..., None]) -> Callable[..., None]:
+    """`RendezvousHTTPServer.init`, which clears the whole store at every rendezvous, keeping
+    the standbys' READY: the reset that releases them starts with that rendezvous, and each
+    would say it again only at its next beat (0-0.2 s, waited for in the stall of every
+    growth). A READY there is always the word of an unreleased, live standby: the driver
+    removes it when it starts, releases or loses that standby."""
+    def init_keeping_ready(self: Any, *args: Any) -> None:
+        with self.cache_lock:
+            ready = dict(self.cache.get(driver_kv.READY, {}))
+        init(self, *args)
+        if ready:
+            with self.cache_lock:
+                self.cache.setdefault(driver_kv.READY, {}).update(ready)
+
+    return init_keeping_ready
+
+
 def _method(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn(driver, ...)` as a function Horovod's class binds: `self` is the driver."""
     def method(self: Any, *args: Any) -> Any:
@@ -235,6 +254,7 @@ def _method(fn: Callable[..., Any]) -> Callable[..., Any]:
 def install(ctx: PatchContext) -> None:
     from horovod.runner import launch
     from horovod.runner.elastic.driver import ElasticDriver
+    from horovod.runner.http.http_server import RendezvousHTTPServer
 
     patch = Standby(ctx, notify=ElasticDriver._notify_workers_host_changes,
                     handle_exit=ElasticDriver._handle_worker_exit,
@@ -244,3 +264,4 @@ def install(ctx: PatchContext) -> None:
     compat.replace(ElasticDriver, "_start_worker_processes", _method(patch.start_or_release))
     compat.replace(ElasticDriver, "_handle_worker_exit", _method(patch.handle_worker_exit))
     compat.replace(launch, "_run_elastic", patch.run_elastic)
+    compat.replace(RendezvousHTTPServer, "init", keeping_ready(RendezvousHTTPServer.init))
