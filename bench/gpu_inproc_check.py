@@ -219,7 +219,8 @@ def reattach(store: Any) -> dict[str, Any]:
     return out
 
 
-def in_child(name: str, limit_s: float) -> dict[str, Any]:
+def in_child(name: str, limit_s: float, extra_env: dict[str, str] | None = None
+             ) -> dict[str, Any]:
     """Runs probe `name` in a child process of this script: a probe that hangs (NCCL's
     formation waits for a missing rank without a timeout) is recorded as hung, and the probes
     after it still run."""
@@ -229,7 +230,7 @@ def in_child(name: str, limit_s: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix=f"{name}-") as tmp:
         out = Path(tmp) / "out.json"
         t0 = time.perf_counter()
-        env = {**os.environ, **CHILD_ENV.get(name, {})}
+        env = {**os.environ, **CHILD_ENV.get(name, {}), **(extra_env or {})}
         p = subprocess.Popen([sys.executable, __file__, "--child", name, "--out", str(out)],
                              env=env)
         try:
@@ -246,6 +247,72 @@ def in_child(name: str, limit_s: float) -> dict[str, Any]:
 CHILD_ENV = {"missing_peer_nonblocking": {"TORCH_NCCL_USE_COMM_NONBLOCKING": "1"}}
 """The variant that asks torch for NCCL's non-blocking communicators (whose formation can be
 timed out and aborted)."""
+
+
+ABORT_VARIANTS: dict[str, dict[str, str]] = {
+    "default": {},
+    "no_monitoring": {"TORCH_NCCL_ENABLE_MONITORING": "0"},
+    "coord_check_50ms": {"TORCH_NCCL_COORD_CHECK_MILSEC": "50"},
+    "no_monitoring_coord_50ms": {"TORCH_NCCL_ENABLE_MONITORING": "0",
+                                 "TORCH_NCCL_COORD_CHECK_MILSEC": "50"},
+    "async_error_handling_0": {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"},
+    "destroy": {"HVDR_TEARDOWN": "destroy"},
+    "abort_on_side_thread": {"HVDR_TEARDOWN": "side"},
+}
+"""Where a one-rank NCCL abort's second goes (measured 0.97-1.00 s, 20 of 20): each variant in
+a fresh child process; `abort_on_side_thread` aborts generation g on a thread while g+1 forms."""
+
+
+def abort_cycles(generations: int = 4) -> dict[str, Any]:
+    """A child's part of `abort_variants`: generations formed, an allreduce, torn down as
+    HVDR_TEARDOWN says (abort, destroy, or abort on a side thread while the next forms)."""
+    store_file = tempfile.NamedTemporaryFile(prefix="abort-cycles-", delete=False).name
+    store = dist.FileStore(store_file, -1)
+    how = os.environ.get("HVDR_TEARDOWN", "abort")
+    rows, pending = [], None
+    c10d = dist.distributed_c10d
+    for g in range(generations):
+        t0 = time.perf_counter()
+        if how == "side" and g:
+            # the old group stays the default until the new one forms: hand it to a thread
+            old = c10d._get_default_group()
+            c10d._world.pg_map.pop(old, None)
+            c10d._world.pg_names.pop(old, None)
+            c10d._update_default_pg(None)
+            side: dict[str, float] = {}
+
+            def side_abort(pg: Any = old, into: dict[str, float] = side) -> None:
+                t = time.perf_counter()
+                pg.abort()
+                into["took"] = time.perf_counter() - t
+
+            pending = threading.Thread(target=side_abort, daemon=True)
+            pending.start()
+        form(store, g, 0, 1, 30)
+        t = torch.ones(1 << 20, device=device())
+        dist.all_reduce(t)
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        t1 = time.perf_counter()
+        teardown = 0.0
+        if how == "destroy":
+            dist.destroy_process_group()
+            teardown = time.perf_counter() - t1
+        elif how == "abort" or g == generations - 1:
+            abort()
+            teardown = time.perf_counter() - t1
+        if pending is not None:
+            pending.join(30)
+            teardown = side.get("took", -1.0)  # off the critical path: what it took aside
+        rows.append({"generation": g, "form_and_allreduce_s": round(t1 - t0, 4),
+                     "teardown_s": round(teardown, 4),
+                     "side_abort_done": pending is None or not pending.is_alive(),
+                     "healthy": healthy()})
+    os.unlink(store_file)
+    return {"teardown": how, "cycles": rows}
+
+
+def abort_variants() -> dict[str, Any]:
+    return {name: in_child("abort_cycles", 60, env) for name, env in ABORT_VARIANTS.items()}
 
 
 def missing_peer_alone() -> dict[str, Any]:
@@ -378,6 +445,13 @@ def probe(name: str, fn: Callable[[], dict[str, Any]], out: dict[str, Any], path
     except Exception:
         out[name] = {"error": traceback.format_exc(limit=3)}
     out[name]["probe_seconds"] = round(time.perf_counter() - t0, 3)
+    if name == "abort_variants":
+        for variant, got in out[name].items():
+            if isinstance(got, dict):
+                cycles = got.get("cycles", [])
+                print(f"  {variant}: teardown_s {[c.get('teardown_s') for c in cycles]} "
+                      f"form_and_allreduce_s {[c.get('form_and_allreduce_s') for c in cycles]} "
+                      f"hung={got.get('hung')} exit={got.get('child_exit')}", flush=True)
     shown = {k: v for k, v in out[name].items() if k != "cycles"}
     if "cycles" in out[name]:
         for k in ("seconds", "form_and_allreduce_s", "teardown_s"):
@@ -394,14 +468,15 @@ def main() -> int:
                                         / "gpu_inproc_check.json"))
     p.add_argument("--peer-dies-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--child", choices=["missing_peer", "missing_peer_nonblocking"],
+    p.add_argument("--child", choices=["missing_peer", "missing_peer_nonblocking",
+                                       "abort_cycles"],
                    default=None, help=argparse.SUPPRESS)
     p.add_argument("--only", default="", help="comma-separated probes (default: all)")
     a = p.parse_args()
     if a.peer_dies_rank is not None:
         return peer_dies_rank(a.peer_dies_rank, a.port, a.out)
     if a.child is not None:
-        got = missing_peer_alone()
+        got = abort_cycles() if a.child == "abort_cycles" else missing_peer_alone()
         Path(a.out).write_text(json.dumps(got))
         os._exit(0)  # a group left formed must not hold the exit
     store_file = tempfile.NamedTemporaryFile(prefix="inproc-check-", delete=False).name
@@ -413,7 +488,8 @@ def main() -> int:
         "missing_peer": lambda: in_child("missing_peer", 30),
         "missing_peer_nonblocking": lambda: in_child("missing_peer_nonblocking", 30),
         "reattach": lambda: reattach(store),
-        "peer_dies": peer_dies}
+        "peer_dies": peer_dies,
+        "abort_variants": abort_variants}
     only = [n for n in a.only.split(",") if n]
     for name, fn in probes.items():
         if not only or name in only:

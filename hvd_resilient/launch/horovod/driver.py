@@ -2,10 +2,10 @@
 
 Takes exactly `horovodrun`'s arguments and runs Horovod's own launcher in this process, after
 reading the switches once (`options.DriverOptions`: HVD_RESILIENT_SLOT_HOSTS,
-HVD_RESILIENT_STANDBY, HVD_RESILIENT_DISCOVERY_INTERVAL, the run folder, the ssh settings) and
-installing the patch families in their one order (`patches.ORDER`): the discovery interval,
-the discovery output checked, slot hosts, the fatal stop, standby workers, and the eviction
-of slots their peers found silent.
+HVD_RESILIENT_STANDBY, HVD_RESILIENT_DISCOVERY_INTERVAL and _WATCH, the run folder, the ssh
+settings) and installing the patch families in their one order (`patches.ORDER`): the
+discovery interval, the discovery output checked, the watched hosts file, slot hosts, the fatal
+stop, standby workers, and the eviction of slots their peers found silent.
 
 What is left here is the launcher's last word: one line instead of its traceback, and
 nothing at all when a worker stopped on a fatal error (that worker recorded it;
@@ -21,6 +21,7 @@ import re
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 
 from hvd_resilient.backends.horovod import compat, driver_watch
@@ -31,6 +32,14 @@ from hvd_resilient.launch.horovod.options import DriverOptions
 from hvd_resilient.launch.horovod.patches.context import PatchContext, masked_line
 
 logger = logging.getLogger("hvd_resilient.launch.horovod.driver")  # not __name__: run as __main__
+
+# Each middleman forked from the forkserver (`patches/fast_middleman.py`, which preloads this
+# module) runs this module again as `__mp_main__`, as multiprocessing does for a `-m` parent,
+# and runpy warned about it once a worker launch in the job's output ("found in sys.modules
+# after import of package"). Harmless (nothing runs under `__mp_main__`); the forks inherit
+# this filter from the forkserver, which ran this line when it preloaded the module.
+warnings.filterwarnings("ignore", category=RuntimeWarning, module="runpy",
+                        message=r"'hvd_resilient\.launch\.horovod\.driver' found in sys\.modules")
 
 
 def prepare(argv: list[str]) -> PatchContext:
