@@ -16,7 +16,6 @@ from hvd_resilient.backends.horovod import compat, driver_kv
 from hvd_resilient.errors import FATAL_EXIT_CODE
 from hvd_resilient.events import read_events
 from hvd_resilient.launch.horovod import patches
-from hvd_resilient.launch.horovod import standby as standby_worker
 from hvd_resilient.launch.horovod.options import DriverOptions
 from hvd_resilient.launch.horovod.patches import (
     discovery_check,
@@ -265,14 +264,14 @@ def test_the_reset_releases_a_standby_once_it_is_ready_and_starts_the_others():
     assert driver.started == ["b+0:0", "a+0:0"]
     httpd = driver._rendezvous._httpd
     with httpd.cache_lock:
-        httpd.cache.setdefault(standby_worker.READY, {}).update({"a+0:0": b"1", "b+0:0": b"1"})
+        httpd.cache.setdefault(driver_kv.READY, {}).update({"a+0:0": b"1", "b+0:0": b"1"})
     release.join(10)
     assert not release.is_alive()
-    go = httpd.cache[standby_worker.GO]
+    go = httpd.cache[driver_kv.GO]
     assert go == {"a+0:0": b"0,2,0,1,0,2", "b+0:0": b"1,2,0,1,1,2"}
     assert driver.started == ["b+0:0", "a+0:0"], "a released standby is not started again"
     assert standby.standby_table(driver) == {}
-    assert httpd.cache[standby_worker.READY] == {}, "a released worker is no standby's READY"
+    assert httpd.cache[driver_kv.READY] == {}, "a released worker is no standby's READY"
 
 
 def test_a_rendezvous_keeps_the_standbys_ready_and_clears_the_rest():
@@ -280,12 +279,12 @@ def test_a_rendezvous_keeps_the_standbys_ready_and_clears_the_rest():
     must survive it, or the release waits for each one's next beat."""
     from horovod.runner.http.http_server import RendezvousHTTPServer
 
-    server = SimpleNamespace(cache={standby_worker.READY: {"b+0:0": b"1"},
+    server = SimpleNamespace(cache={driver_kv.READY: {"b+0:0": b"1"},
                                     "rank_and_size": {"a+0:0": b"x"}},
                              cache_lock=threading.Lock(), finished_list_lock=threading.Lock(),
                              finished_list={}, scope_size={}, _extract_scope_size=lambda plan: 0)
     standby.keeping_ready(RendezvousHTTPServer.init)(server, [])
-    assert server.cache == {standby_worker.READY: {"b+0:0": b"1"}}
+    assert server.cache == {driver_kv.READY: {"b+0:0": b"1"}}
 
 
 def test_the_store_lists_the_unreleased_standbys_for_rank_0_after_every_change():
@@ -314,10 +313,10 @@ def test_a_standby_that_exits_before_its_release_is_only_logged():
     driver = grown_driver()
     patch.notify_host_changes(driver, Hosts(["a+0", "b+0"]), "added")
     waiting = standby.standby_table(driver)["b+0:0"]
-    compat.kv_set(driver, standby_worker.READY, "b+0:0", b"1")
+    compat.kv_set(driver, driver_kv.READY, "b+0:0", b"1")
     patch.handle_worker_exit(driver, waiting, FATAL_EXIT_CODE, 0.0)
     assert seen["exit"] == [] and standby.standby_table(driver) == {}
-    assert compat.kv_get(driver, standby_worker.READY) == {}, "a dead standby is not ready"
+    assert compat.kv_get(driver, driver_kv.READY) == {}, "a dead standby is not ready"
     patch.handle_worker_exit(driver, slot("a+0"), 1, 0.0)  # a released worker: Horovod's
     assert seen["exit"] == [("a+0:0", 1)]
 

@@ -25,8 +25,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from hvd_resilient.backends.horovod.driver_kv import GO, READY, get, put, url
 from hvd_resilient.launch.horovod import warm_pool
+
+# Nothing else of the package at import: where a warm pool serves the machine this module is
+# only the stand-in of the forked worker (`main`), and each import here is in the launch of
+# every standby (the store's client, through `hvd_resilient.backends`: 60 ms of 100 idle).
 
 MAX_WAIT_S = 900.0  # a standby never released (its host left again) exits quietly
 READY_AGAIN_S = 0.2
@@ -34,6 +37,13 @@ READY_AGAIN_S = 0.2
 or one whose store lost the key, hears it within this. The driver keeps a READY across its
 rendezvous, which clears the rest of its store (`patches/standby.py`, `keeping_ready`): had
 the standby's next beat been waited for, it would be in the stall of every growth."""
+
+
+GO_POLL_S, GO_POLL_FAST_FOR_S, GO_POLL_SLOW_S = 0.01, 10.0, 0.05
+"""How often a waiting standby asks for its go: every 10 ms for its first 10 s (a warm standby
+is ready a few tenths of a second after its start and released at the next commit, and the
+whole new world waits for its go: 25 ms on average at 50 ms), then every 50 ms (one that waits
+longer waits for a cold peer or a later change, and should not load the driver)."""
 
 
 #: What the go carries: the slot's place in the world the standby is released into.
@@ -90,6 +100,7 @@ def warm_up() -> None:
     import torch  # noqa: F401
     import torch._dynamo  # noqa: F401
 
+    import hvd_resilient.backends.horovod.driver_kv  # noqa: F401 - the release's client
     import hvd_resilient.backends.horovod.run  # noqa: F401 - and ours, which every training script imports
 
 
@@ -107,8 +118,11 @@ def released_run(cmd: list[str]) -> None:
 
 def wait_for_release(key: str) -> None:
     """Says READY until the driver's go, then takes rank and sizes from it."""
+    from hvd_resilient.backends.horovod.driver_kv import GO, READY, get, put, url
+
     go = url(GO, key)
-    deadline = time.monotonic() + MAX_WAIT_S
+    start = time.monotonic()
+    deadline = start + MAX_WAIT_S
     silent_since = None
     said_ready = 0.0
     while not isinstance(answer := get(go), bytes):
@@ -120,7 +134,7 @@ def wait_for_release(key: str) -> None:
         silent_since = (silent_since or now) if answer is None else None
         if now > deadline or (silent_since is not None and now - silent_since > 5.0):
             sys.exit(0)  # never released, or the driver is gone
-        time.sleep(0.05)
+        time.sleep(GO_POLL_S if now - start < GO_POLL_FAST_FOR_S else GO_POLL_SLOW_S)
     apply_go(answer)
 
 
