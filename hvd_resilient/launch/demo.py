@@ -127,25 +127,33 @@ def _script(tail: EventTail, job: subprocess.Popen[bytes], hosts: Path, np: int)
     if not _wait(tail, job, "the slot's return", lambda: tail.size() >= np, 180):
         return
     _say(f"world size {tail.size()} again at step {tail.step()}")
-    t0 = time.monotonic()
+    t0 = time.time()  # the event log's clock
     _set_hosts(hosts, f"localhost:{np + 1}")
     _say(f"added a host: {hosts.name} now says localhost:{np + 1}")
     if not _wait(tail, job, "the added host", lambda: tail.size() == np + 1, 180):
         return
-    _say(f"world size {tail.size()} at step {tail.step()}, {time.monotonic() - t0:.1f} s "
-         "after the file changed")
+    _say(f"world size {tail.size()}: training at it {_after(tail, t0, 'sync', np + 1)} after "
+         f"the file changed (its first commit at step {tail.step()})")
     _say_growth(tail, np + 1)
     grown = tail.step()
     if not _wait(tail, job, "some steps at the new size",
                  lambda: tail.step() >= grown + 30, 180):
         return
-    t0 = time.monotonic()
+    t0 = time.time()
     _set_hosts(hosts, f"localhost:{np}")
     _say(f"removed it again: {hosts.name} says localhost:{np}")
     if not _wait(tail, job, "the removal", lambda: tail.size() == np, 180):
         return
-    _say(f"world size {tail.size()} at step {tail.step()}, "
-         f"{time.monotonic() - t0:.1f} s after the file changed; training to the end")
+    _say(f"world size {tail.size()}: training at it {_after(tail, t0, 'reset', np)} after the "
+         f"file changed (its first commit at step {tail.step()}); training to the end")
+
+
+def _after(tail: EventTail, t0: float, event: str, size: int) -> str:
+    """How long after `t0` rank 0 recorded `event` at world size `size` (the sync that starts
+    training at a new size, or the reset into it), as the event log says, not this poll."""
+    at = [e["ts"] for e in tail.events if e["event"] == event and e["rank"] == 0
+          and e["size"] == size and e["ts"] >= t0]
+    return f"{min(at) - t0:.2f} s" if at else "(not in the log)"
 
 
 def _say_growth(tail: EventTail, size: int) -> None:
