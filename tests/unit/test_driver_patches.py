@@ -22,6 +22,7 @@ from hvd_resilient.launch.horovod.patches import (
     discovery_watch,
     evict,
     fatal_stop,
+    gloo_check,
     leaving,
     slot_hosts,
     standby,
@@ -73,15 +74,15 @@ def recorder() -> tuple[list[tuple[Any, ...]], Any]:
 def test_the_order_is_one_list_and_the_switches_pick_from_it():
     names = [p.name for p in patches.ORDER]
     assert names == ["discovery_interval", "discovery_check", "discovery_watch", "slot_hosts",
-                     "fatal_stop", "standby", "evict", "fast_middleman", "leaving"]
+                     "fatal_stop", "standby", "evict", "gloo_check", "fast_middleman", "leaving"]
 
     def wanted(options: DriverOptions) -> list[str]:
         return [p.name for p in patches.ORDER if p.wanted(options)]
 
     assert wanted(DriverOptions()) == [n for n in names[1:] if n != "discovery_watch"]
     assert wanted(DriverOptions(slot_hosts=False, standby=False, discovery_interval_s=0.5)) \
-        == ["discovery_interval", "discovery_check", "fatal_stop", "evict", "fast_middleman",
-            "leaving"]
+        == ["discovery_interval", "discovery_check", "fatal_stop", "evict", "gloo_check",
+            "fast_middleman", "leaving"]
 
 
 def test_install_follows_the_order_it_is_given():
@@ -486,3 +487,37 @@ def test_the_watch_runs_horovods_discovery_on_a_real_script(tmp_path, monkeypatc
     assert found.find_available_hosts_and_slots() == {"a": 1}  # seen, not yet still
     assert found.find_available_hosts_and_slots() == {"a": 1, "b": 2}
     assert count.read_text().count("run") == 2
+
+
+# -- Horovod's Gloo check, remembered ---------------------------------------------------------
+def test_a_yes_is_remembered_per_installation_and_a_no_is_asked_again(tmp_path, monkeypatch):
+    asked: list[bool] = []
+
+    def ask(verbose: bool = False) -> Any:
+        asked.append(verbose)
+        return answers.pop(0)
+
+    answers: list[Any] = [False, None, True]
+    built = gloo_check.remembered(ask, str(tmp_path))
+    assert built() is False and built() is None  # a no is never kept
+    assert built() is True and built() is True and built(verbose=True) is True
+    assert len(asked) == 3, "the yes was asked once"
+    monkeypatch.setattr(gloo_check, "installation_key", lambda: "another-torch")
+    answers.append(True)
+    assert built() is True and len(asked) == 4, "a reinstall is asked again"
+
+
+def test_the_installation_key_follows_the_extension_files(tmp_path, monkeypatch):
+    import horovod
+
+    key = gloo_check.installation_key()
+    assert key == gloo_check.installation_key()
+    root = tmp_path / "horovod"
+    (root / "torch").mkdir(parents=True)
+    lib = root / "torch" / "mpi_lib_v2.so"
+    lib.write_bytes(b"x")
+    monkeypatch.setattr(horovod, "__file__", str(root / "__init__.py"))
+    moved = gloo_check.installation_key()
+    assert moved != key
+    lib.write_bytes(b"rebuilt")
+    assert gloo_check.installation_key() != moved

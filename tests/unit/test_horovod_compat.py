@@ -11,6 +11,22 @@ from hvd_resilient.errors import LaunchError
 
 def test_the_installed_horovod_has_every_target():
     assert compat.check_compatible(driver=True) in compat.TESTED_VERSIONS
+    assert compat.check_compatible(driver=False) in compat.TESTED_VERSIONS
+
+
+def test_the_driver_never_imports_torch():
+    """The driver's start is in every launch and relaunch: torch alone is 1.5 s of it."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from hvd_resilient.launch.horovod import driver\n"
+            "driver.prepare(['-np', '1', 'true'])\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
 
 
 def test_a_missing_target_is_named_in_one_line(monkeypatch):
@@ -24,6 +40,10 @@ def test_a_missing_target_is_named_in_one_line(monkeypatch):
     assert "\n" not in msg and "ElasticDriver._renamed_in_a_later_release" in msg
     assert "(and 1 more)" in msg
     compat.check_compatible(driver=False)  # the worker side does not need the driver's
+    monkeypatch.setattr(compat, "WORKER_TARGETS", compat.WORKER_TARGETS + (
+        ("horovod.torch.elastic.state", "TorchState._renamed"),))
+    with pytest.raises(LaunchError, match="TorchState._renamed"):
+        compat.check_compatible(driver=False)
 
 
 def test_an_untested_release_is_refused(monkeypatch):

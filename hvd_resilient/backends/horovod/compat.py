@@ -27,6 +27,7 @@ DRIVER_TARGETS = (
     ("horovod.runner.gloo_run", "get_remote_command"),
     ("horovod.runner.launch", "get_remote_command"),
     ("horovod.runner.launch", "_run_elastic"),
+    ("horovod.runner.launch", "gloo_built"),
     ("horovod.runner.launch", "run_commandline"),
     ("horovod.runner.driver.driver_service", "get_remote_command"),
     ("horovod.runner.elastic.discovery", "HostDiscoveryScript.find_available_hosts_and_slots"),
@@ -152,7 +153,10 @@ def kv_set(driver: Any, scope: str, key: str, value: bytes | None) -> None:
 
 def check_compatible(*, driver: bool) -> str:
     """Returns the Horovod version; raises LaunchError (one line) on an untested release or a
-    missing target. ``driver``: check the launcher-side targets too."""
+    missing target. ``driver``: the launcher-side targets, else the worker side's. Each side
+    checks only its own: the worker targets import `horovod.torch`, and with it torch, which
+    cost the driver 1.5 s of every launch and relaunch (idle; more on a busy host) and is
+    otherwise never imported there. Every worker checks its side in its `hvd.init()`."""
     try:
         import horovod
     except ImportError:
@@ -163,9 +167,8 @@ def check_compatible(*, driver: bool) -> str:
         raise LaunchError(f"Horovod {version} is not a tested release (tested: "
                           f"{', '.join(TESTED_VERSIONS)}); install horovod[pytorch]=="
                           f"{TESTED_VERSIONS[-1]} (`make install`)")
-    missing = _missing(WORKER_TARGETS, WORKER_FIELDS)
-    if driver:
-        missing += _missing(DRIVER_TARGETS, DRIVER_FIELDS)
+    missing = (_missing(DRIVER_TARGETS, DRIVER_FIELDS) if driver
+               else _missing(WORKER_TARGETS, WORKER_FIELDS))
     if missing:
         raise LaunchError(f"Horovod {version} lacks {missing[0]}"
                           + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")

@@ -26,6 +26,7 @@ from hvd_resilient.launch.horovod.patches import (
     evict,
     fast_middleman,
     fatal_stop,
+    gloo_check,
     leaving,
     slot_hosts,
     standby,
@@ -63,6 +64,8 @@ ORDER: tuple[Patch, ...] = (
     Patch("standby", standby.install, lambda o: o.standby),
     # Wraps _start_worker_processes: the watch starts with the first workers.
     Patch("evict", evict.install),
+    # Replaces launch.gloo_built (a module-level name): touched by nothing else.
+    Patch("gloo_check", gloo_check.install),
     # Replaces safe_shell_exec's view of multiprocessing: touched by nothing else; first
     # launch after it.
     Patch("fast_middleman", fast_middleman.install),
