@@ -311,7 +311,13 @@ def test_resurrecting_blacklisted_hosts_exponential_backoff(tmp_path, jobs, slot
     assert {r["size"] for r in later} <= {out_size, 4}, results
     rendezvous = [r["rendezvous"] for r in results]
     assert rendezvous == sorted(rendezvous) and rendezvous[1] >= 2, results  # the exit reset
-    if all(r["size"] == out_size for r in later):
+    # The slot can also come back and leave again between two epoch records (back at the
+    # start of epoch 3, out at its first batch: every record at the smaller size, one more
+    # rendezvous, seen once at load ~3): its second exit says so in the output.
+    assert "check_rank and exit epoch=1" in out.output  # the first exit, where it is told
+    came_back = (any(r["size"] != out_size for r in later)
+                 or "check_rank and exit epoch=3" in out.output)
+    if not came_back:
         assert rendezvous[1:] == [2, 2, 2, 2], results  # Horovod's exact expectation
     else:  # the host came back: one reset for its return, after the exit's reset
         assert rendezvous[-1] >= 3, results
