@@ -135,7 +135,7 @@ class GlooWatch:
         socks, watched, ranks = [], [], []
         for c, rank in _owned_by(everyone, me):
             try:
-                socks.append(socket.socket(fileno=os.dup(c.fd)))
+                socks.append(tcp_sockets.dup_socket(c.fd))
             except OSError:
                 continue
             watched.append((c.local, c.remote))

@@ -7,10 +7,14 @@ nothing broadcast them again (every data-parallel step after that averaged the g
 two different models). Nothing checked. Here a sync is:
 
 1. every rank digests each component (xxh3-128 over the bytes of every tensor and the repr of
-   every other value, keys sorted) and the digests are allgathered: one small collective;
-2. the components where some rank differs from rank 0 are sent from rank 0 as they are (the
-   structure as one object, then every tensor's bytes in place): no optimizer step, no
-   re-initialisation, nothing that could move a value after it arrived;
+   every other value, keys sorted) and the digests are allgathered: one small collective,
+   which also carries what the caller has to exchange at the same moment (its ``rider``: the
+   detectors' offers, rank 0's committed attributes), so a (re)start pays for one round trip,
+   not three;
+2. the components where some rank differs from rank 0 are sent from rank 0 as they are, all
+   in one batch (the structure as one object, then every tensor's bytes in place: a newcomer's
+   sync costs the same few collectives whatever the number of components): no optimizer
+   step, no re-initialisation, nothing that could move a value after it arrived;
 3. the digests are taken again. A component that still differs is sent once more and named in
    a ``sync_mismatch`` event; if it differs after that the job stops with one line, because a
    silent divergence costs more than a stop.
@@ -182,27 +186,35 @@ def _differing(names: list[str], everyone: list[dict[str, str]]) -> tuple[list[s
     return names, ranks
 
 
-def agree(components: Sequence[Component], coll: Collectives) -> Agreement:
-    """Makes every rank hold rank 0's components and proves it (module docstring)."""
+def agree(components: Sequence[Component], coll: Collectives, *, rider: Any = None,
+          on_riders: Callable[[list[Any]], None] | None = None) -> Agreement:
+    """Makes every rank hold rank 0's components and proves it (module docstring). ``rider``
+    travels in the first allgather; ``on_riders`` gets every rank's, by rank, before anything
+    is sent (what it changes on a component is then sent and proven like the rest)."""
     t0 = time.perf_counter()
     by_name = {c.name: c for c in components}
     hashing = 0.0
 
-    def digests(names: list[str]) -> list[dict[str, str]]:
+    def mine(names: list[str]) -> dict[str, str]:
         nonlocal hashing
         t = time.perf_counter()
-        mine = {n: digest_tree(by_name[n].get()) for n in names}
+        out = {n: digest_tree(by_name[n].get()) for n in names}
         hashing += time.perf_counter() - t
-        return coll.allgather_object(mine)
+        return out
+
+    def digests(names: list[str]) -> list[dict[str, str]]:
+        return coll.allgather_object(mine(names))
 
     def send(names: list[str]) -> None:
-        for n in names:
-            c = by_name[n]
-            tree = broadcast_tree(c.get(), coll, tag=n)
-            if coll.rank() != 0:
-                c.put(tree)
+        tree = broadcast_tree({n: by_name[n].get() for n in names}, coll, tag="components")
+        if coll.rank() != 0:
+            for n in names:  # in the components' order: a model before its optimizer
+                by_name[n].put(tree[n])
 
-    sent, ranks = _differing(list(by_name), digests(list(by_name)))
+    first = coll.allgather_object((mine(list(by_name)), rider))
+    if on_riders is not None:
+        on_riders([r for _, r in first])
+    sent, ranks = _differing(list(by_name), [d for d, _ in first])
     repaired: list[str] = []
     if sent:
         send(sent)

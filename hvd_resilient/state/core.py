@@ -157,10 +157,12 @@ class StateCore:
         return any(hasattr(t, "full_tensor") for t in _unwrapped(self.model).state_dict()
                    .values())
 
-    def _agree(self, collectives: Any) -> Agreement:
+    def _agree(self, collectives: Any, *, rider: Any = None,
+               on_riders: Callable[[list[Any]], None] | None = None) -> Agreement:
         """The verified sync (`state.agreement`), recorded: rank 0 writes a ``sync_check``
         event; every rank whose components needed a second send says so."""
-        found = self.last_agreement = agree(self.sync_components(), collectives)
+        found = self.last_agreement = agree(self.sync_components(), collectives, rider=rider,
+                                            on_riders=on_riders)
         if self._rank() == 0:
             self.events.emit("sync_check", sent=found.sent, differing_ranks=found.ranks,
                              repaired=found.repaired, seconds=found.seconds,

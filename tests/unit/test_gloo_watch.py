@@ -52,6 +52,40 @@ def test_own_sockets_reports_established_connections_with_their_endpoints(pair):
     assert found[endpoints(a)].fd == a.fileno()
 
 
+def test_own_sockets_match_the_kernels_table_and_leave_blocking_mode_alone(pair):
+    """Asked fd by fd, the endpoints must read as /proc/net/tcp writes them (an IPv4 peer of
+    an IPv6 socket as plain IPv4: the other rank mirrors it so), and asking must not make a
+    blocking socket non-blocking when the user set a default timeout (the flag is shared with
+    the fd's owner: Gloo, libcurl)."""
+    import fcntl
+
+    a, b, _ = pair
+    lst6 = socket.create_server(("::", 0), family=socket.AF_INET6, dualstack_ipv6=True)
+    c = socket.create_connection(("127.0.0.1", lst6.getsockname()[1]))
+    d, _ = lst6.accept()
+    fd = os.dup(a.fileno())  # a plain blocking fd, as a C library holds one
+    before = fcntl.fcntl(fd, fcntl.F_GETFL)
+    socket.setdefaulttimeout(5.0)
+    try:
+        found = {(s.local, s.remote): s for s in tcp_sockets.own_sockets()}
+    finally:
+        socket.setdefaulttimeout(None)
+        assert fcntl.fcntl(fd, fcntl.F_GETFL) == before
+        os.close(fd)
+    try:
+        assert endpoints(c) in found and found[endpoints(c)].state == tcp_sockets.ESTABLISHED
+        mapped = (("127.0.0.1", lst6.getsockname()[1]), c.getsockname()[:2])
+        assert mapped in found, "the IPv6 end must read as IPv4, as its peer sees it"
+        assert found[(lst6.getsockname()[:2], ("::", 0))].state == "0A"  # listening
+        with open("/proc/self/net/tcp") as fh:  # the kernel's own view of the IPv4 pair
+            table = fh.read()
+        port = f"{a.getsockname()[1]:04X}"
+        assert f"0100007F:{port}" in table
+    finally:
+        for s in (c, d, lst6):
+            s.close()
+
+
 def test_only_connections_mirrored_by_another_rank_are_peers(pair):
     a, b, (other, _) = pair
     # rank 1 holds b's endpoints: a is a peer connection of rank 0; `other` is not

@@ -57,13 +57,14 @@ def seeded_linear(seed: int) -> torch.nn.Linear:
         return torch.nn.Linear(3, 2)
 
 
-def on_ranks(n: int, fn: Callable[[ThreadCollectives], Any]) -> list[Any]:
+def on_ranks(n: int, fn: Callable[[Any], Any],
+             make: type[ThreadCollectives] = ThreadCollectives) -> list[Any]:
     shared = {"slots": [None] * n, "barrier": threading.Barrier(n)}
     out: list[Any] = [None] * n
 
     def run(r: int) -> None:
         try:
-            out[r] = fn(ThreadCollectives(r, shared))
+            out[r] = fn(make(r, shared))
         except BaseException as e:  # noqa: BLE001 (reported by the test)
             out[r] = e
 
@@ -160,3 +161,67 @@ def test_broadcast_tree_receives_in_place_where_it_can():
     (root, _), (got, w) = on_ranks(2, rank)
     assert got["w"] is w and torch.equal(w, torch.zeros(3)), "not received in place"
     assert got["step"] == 0 and "extra" not in got
+
+
+class CountingCollectives(ThreadCollectives):
+    """Counts the collectives one rank takes part in."""
+
+    def __init__(self, rank: int, shared: dict[str, Any]) -> None:
+        super().__init__(rank, shared)
+        self.calls = 0
+
+    def _exchange(self, value: Any) -> list[Any]:
+        self.calls += 1
+        return super()._exchange(value)
+
+
+def test_a_newcomers_sync_costs_the_same_few_collectives_whatever_its_components():
+    """A newcomer differs in every component; the whole world waits for its sync in a scale-up,
+    so every differing component goes in one batch: digests, the batch (its structure, its
+    bytes), digests again. Four exchanges for six components (it was fourteen)."""
+    def rank(coll: CountingCollectives) -> Any:
+        comps = [Component(f"c{i}", (lambda i=i: {"x": torch.full((2,), float(coll.rank() + i))}),
+                           lambda _: None) for i in range(6)]
+        kept: dict[str, Any] = {}
+        comps = [Component(c.name, c.get, (lambda t, n=c.name: kept.__setitem__(n, t)))
+                 for c in comps]
+        if coll.rank() == 1:  # a component that takes what it is sent
+            def unless_sent(n: str) -> Any:
+                return kept.get(n) or {"x": torch.full((2,), -1.0)}
+
+            comps = [Component(c.name, (lambda n=c.name: unless_sent(n)), c.put) for c in comps]
+        found = agree(comps, coll)
+        return found, coll.calls
+
+    results = on_ranks(2, rank, CountingCollectives)
+    assert not [r for r in results if isinstance(r, BaseException)], results
+    (found, calls), (_, calls1) = results
+    assert found.sent == [f"c{i}" for i in range(6)] and found.repaired == []
+    assert calls == calls1 == 4
+
+
+def test_the_rider_arrives_with_the_first_digests_before_anything_is_sent():
+    """What a (re)start must exchange anyway (the detectors' offers, rank 0's committed
+    attributes) rides in the first allgather: every rank sees every rider, by rank, before the
+    send, and what the callback puts in a component is sent and proven like the rest."""
+    def rank(coll: CountingCollectives) -> Any:
+        value = {"step": 0 if coll.rank() else 7}
+        seen: list[Any] = []
+
+        def take(everyone: list[Any]) -> None:
+            seen.extend(everyone)
+            value["step"] = everyone[0]["committed"]  # rank 0's, as ObjectState.sync takes it
+
+        comp = Component("attributes", lambda: dict(value), value.update)
+        found = agree([comp], coll, rider={"committed": 5, "me": coll.rank()} if coll.rank() == 0
+                      else {"me": coll.rank()}, on_riders=take)
+        return found, seen, value["step"], coll.calls
+
+    results = on_ranks(3, rank, CountingCollectives)
+    assert not [r for r in results if isinstance(r, BaseException)], results
+    for found, seen, step, calls in results:
+        assert [s["me"] for s in seen] == [0, 1, 2]
+        assert step == 5
+        # what differed before the riders is still sent (the digests were taken then), and
+        # proven equal after
+        assert found.sent == ["attributes"] and found.repaired == [] and calls == 4

@@ -70,6 +70,8 @@ WORKER_TARGETS = (
     ("horovod.torch.elastic.state", "ModelStateHandler"),
     ("horovod.torch.elastic.state", "OptimizerStateHandler"),
     ("horovod.common.elastic", "notification_manager"),
+    # the sync takes rank 0's committed attributes as ObjectState.sync does (`state.py`)
+    ("horovod.common.elastic", "ObjectState._set_attrs"),
     ("horovod.common.exceptions", "HorovodInternalError"),
     ("horovod.common.exceptions", "HostsUpdatedInterrupt"),
     # a leaving worker asks the rendezvous for its slot as init does (`leaving.py`)
@@ -85,6 +87,7 @@ WORKER_FIELDS = (
     ("horovod.torch.elastic.state", "ModelStateHandler", "_saved_model_state"),
     ("horovod.torch.elastic.state", "OptimizerStateHandler", "_saved_optimizer_state"),
     ("horovod.common.elastic", "State", "_host_messages"),
+    ("horovod.common.elastic", "ObjectState", "_saved_state"),
     ("horovod.torch.optimizer", "_DistributedOptimizer", "_handles"),
     ("horovod.torch.optimizer", "_DistributedOptimizer", "_allreduce_delay"),
     ("horovod.torch.optimizer", "_DistributedOptimizer", "_synchronized"),

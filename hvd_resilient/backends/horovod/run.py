@@ -114,10 +114,17 @@ def _attempt(train: Callable[[], T], state: ElasticState, detectors: Detectors,
              skip_sync: bool) -> T:
     """Sync (unless only hosts were removed), then train to the end."""
     with progress.section("sync", None):  # waits for joiners, as long as it takes
-        _arm(detectors, state)
-        if not skip_sync:
+        offer = (detectors.offers(hvd.rank()), slots.machine())
+        if skip_sync:
+            _arm(detectors, state, hvd.allgather_object(offer))
+        else:
             t0 = time.time()
-            state.sync()
+            if type(state).sync is ElasticState.sync:  # the offers ride in the sync's first
+                # allgather: armed before anything is sent
+                state.sync_with(offer, lambda everyone: _arm(detectors, state, everyone))
+            else:  # a subclass's own sync(): arm first, from an allgather of its own
+                _arm(detectors, state, hvd.allgather_object(offer))
+                state.sync()
             state.events.emit("sync", seconds=round(time.time() - t0, 6))
     result = train()
     _finish(detectors)
@@ -200,11 +207,11 @@ def _reset(state: ElasticState, detected: float) -> None:
         logger.info("reset: world size %d -> %d", old_size, hvd.size())
 
 
-def _arm(detectors: Detectors, state: ElasticState) -> None:
-    """Every rank publishes its detectors' offers (its connections, its heartbeat address) and
-    its machine; a collective, so a failure here is caught like any other."""
+def _arm(detectors: Detectors, state: ElasticState, everyone: list[Any]) -> None:
+    """Arms from every rank's offers (its connections, its heartbeat address) and machine, as
+    the (re)start's first allgather brought them (a failure there is caught like any
+    other)."""
     machine = slots.machine()
-    everyone = hvd.allgather_object((detectors.offers(hvd.rank()), machine))
     counts = detectors.arm(hvd.rank(), [offers for offers, _ in everyone])
     watched, beats = counts[GlooWatch.name], counts[SilentPeers.name]
     if watched == 0 and hvd.size() > 1:

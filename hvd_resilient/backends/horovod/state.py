@@ -20,7 +20,6 @@ from typing import Any
 
 import horovod.torch as hvd
 import torch
-from horovod.common.elastic import ObjectState
 from horovod.torch.elastic.state import StateHandler, TorchState
 
 from hvd_resilient.backends.horovod.added_hosts import AddedHostsHold
@@ -195,8 +194,25 @@ class ElasticState(InMemoryState, TorchState):
     def sync(self) -> None:
         """Rank 0's committed plain attributes (Horovod's semantics), then every component
         agreed and proven equal (`state.agreement`); an event says what was sent."""
-        ObjectState.sync(self)
-        self._agree(self._collectives)
+        self.sync_with(None)
+
+    def sync_with(self, rider: Any, on_riders: Callable[[list[Any]], None] | None = None,
+                  ) -> None:
+        """`sync()`, whose first collective also carries ``rider`` (the run loop's detector
+        offers: a (re)start then costs one allgather fewer); ``on_riders`` gets every rank's,
+        by rank, before any component is sent. Rank 0's committed attributes travel in the
+        same allgather, where Horovod's `ObjectState.sync` broadcast them on their own."""
+        committed = self._saved_state if hvd.rank() == 0 else None  # type: ignore[has-type]
+
+        def gathered(riders: list[Any]) -> None:
+            saved = riders[0][0]
+            if saved:  # ObjectState.sync: every rank takes rank 0's committed attributes
+                self._saved_state = saved
+                self._set_attrs()
+            if on_riders is not None:
+                on_riders([r for _, r in riders])
+
+        self._agree(self._collectives, rider=(committed, rider), on_riders=gathered)
         self._after_agreement()
 
     def after_reset(self, fn: Callable[[], None]) -> None:

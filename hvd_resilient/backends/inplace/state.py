@@ -64,10 +64,12 @@ class InPlaceState(InMemoryState, TorchDistState):
         point, so a fault before the next commit comes back here."""
         if self._size() > 1:
             assert self._collectives is not None  # the constructor requires them
-            head = self._collectives.broadcast_object(
-                {"fatal": self.fatal, "resume_rng": self.resume_rng})
-            self.fatal, self.resume_rng = head["fatal"], head["resume_rng"]
-            self._agree(self._collectives)
+            def take_head(everyone: list[Any]) -> None:  # rank 0's, before anything is sent
+                self.fatal, self.resume_rng = everyone[0]["fatal"], everyone[0]["resume_rng"]
+
+            head = {"fatal": self.fatal, "resume_rng": self.resume_rng}
+            self._agree(self._collectives, rider=head if self._rank() == 0 else None,
+                        on_riders=take_head)
         self._after_agreement()
 
     def reset_done(self) -> None:
