@@ -21,7 +21,7 @@ import os
 import sys
 from typing import Any
 
-from hvd_resilient.launch.warm_imports import import_script_modules
+from hvd_resilient.launch.warm_imports import import_script_modules, settle_heap
 
 ENV = "HVD_RESILIENT_TORCHRUN_FORK"
 
@@ -61,6 +61,7 @@ def _warm_up(script: str) -> bool:
     import hvd_resilient.training.trainer  # noqa: F401
 
     import_script_modules(script)
+    settle_heap()  # before the first fork
     return not torch.cuda.is_initialized()
 
 

@@ -119,7 +119,9 @@ def released_run(cmd: list[str]) -> None:
 def wait_for_release(key: str) -> None:
     """Says READY until the driver's go, then takes rank and sizes from it."""
     from hvd_resilient.backends.horovod.driver_kv import GO, READY, get, put, url
+    from hvd_resilient.launch.warm_imports import settle_heap
 
+    settle_heap()  # the script's set-up is done: before READY, not in the reset
     go = url(GO, key)
     start = time.monotonic()
     deadline = start + MAX_WAIT_S

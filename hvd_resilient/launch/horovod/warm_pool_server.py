@@ -47,11 +47,12 @@ HEADER_TIMEOUT_S = 5.0
 
 
 def warm_up(cmd: list[str]) -> None:
-    from hvd_resilient.launch.warm_imports import import_script_modules
+    from hvd_resilient.launch.warm_imports import import_script_modules, settle_heap
 
     standby.warm_up()
     if len(cmd) >= 2 and not cmd[1].startswith("-"):
         import_script_modules(cmd[1])
+    settle_heap()  # before any fork
 
 
 def refusal(header: dict, peer: tuple[int, int]) -> str:
