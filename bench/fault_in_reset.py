@@ -43,7 +43,7 @@ def run_once(mode: str, delay: float, work: Path, timeout: float) -> dict[str, A
     _, discover = rec.write_discovery(run, "localhost:3")
     cmd = [sys.executable, "-m", "hvd_resilient.launch.horovod.driver", "-np", "3",
            "--min-np", "2", "--max-np", "3", "--host-discovery-script", str(discover),
-           "--network-interface", "lo", "--blacklist-cooldown-range", "1", "2", "--verbose",
+           "--network-interface", "lo", "--blacklist-cooldown-range", "1", "2",
            sys.executable, str(rec.JOB), "--run-dir", str(run), "--stack", "ours",
            "--steps", "300", "--commit-every", "10"]
     env = dict(os.environ, PYTHONPATH=str(rec.ROOT),
