@@ -67,4 +67,3 @@ def settle_heap() -> None:
     forked child it also copies every page the collector touches."""
     gc.collect()
     gc.freeze()
-

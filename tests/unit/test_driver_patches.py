@@ -24,6 +24,7 @@ from hvd_resilient.launch.horovod.patches import (
     fatal_stop,
     gloo_check,
     leaving,
+    orphan_slots,
     slot_hosts,
     standby,
 )
@@ -74,15 +75,16 @@ def recorder() -> tuple[list[tuple[Any, ...]], Any]:
 def test_the_order_is_one_list_and_the_switches_pick_from_it():
     names = [p.name for p in patches.ORDER]
     assert names == ["discovery_interval", "discovery_check", "discovery_watch", "slot_hosts",
-                     "fatal_stop", "standby", "evict", "gloo_check", "fast_middleman", "leaving"]
+                     "fatal_stop", "standby", "evict", "orphan_slots", "gloo_check",
+                     "fast_middleman", "leaving"]
 
     def wanted(options: DriverOptions) -> list[str]:
         return [p.name for p in patches.ORDER if p.wanted(options)]
 
     assert wanted(DriverOptions()) == [n for n in names[1:] if n != "discovery_watch"]
     assert wanted(DriverOptions(slot_hosts=False, standby=False, discovery_interval_s=0.5)) \
-        == ["discovery_interval", "discovery_check", "fatal_stop", "evict", "gloo_check",
-            "fast_middleman", "leaving"]
+        == ["discovery_interval", "discovery_check", "fatal_stop", "evict", "orphan_slots",
+            "gloo_check", "fast_middleman", "leaving"]
 
 
 def test_install_follows_the_order_it_is_given():
@@ -92,6 +94,45 @@ def test_install_follows_the_order_it_is_given():
                                     ("c", lambda o: True)))
     assert patches.install(PatchContext(DriverOptions(standby=False)), order) == ["a", "c"]
     assert seen == ["a", "c"]
+
+
+# -- orphan slots -----------------------------------------------------------------------------
+def test_a_world_that_waits_for_a_failed_slot_starts_it_again():
+    """Horovod's own `_update_host_assignments` on a driver holding the world it had: slots a,
+    b, c; a and b died in one reset (min 2), a came back from its cooldown. Horovod assigns a
+    rank to a and starts nothing (a was in the last world): the new world would wait for a
+    process that does not exist. Patched, a is started; once started, it is not again."""
+    from horovod.runner.elastic.discovery import DiscoveredHosts
+    from horovod.runner.elastic.driver import ElasticDriver
+
+    driver: Any = object.__new__(ElasticDriver)  # no discovery thread, no rendezvous server
+    driver.__dict__.update(_host_assignments={}, _min_num_proc=2, _max_num_proc=3,
+                           _rendezvous=SimpleNamespace(init=lambda assignments: None))
+    started: list[str] = []
+    exits: list[str] = []
+    patch = orphan_slots.OrphanSlots(
+        PatchContext(), update=ElasticDriver._update_host_assignments,
+        start=lambda d, s: started.append(orphan_slots.slot_key(s)),
+        handle_exit=lambda d, s, *a: exits.append(orphan_slots.slot_key(s)))
+
+    def world(*hosts: str) -> list[str]:
+        found = DiscoveredHosts({h: 1 for h in hosts}, list(hosts))
+        return sorted(orphan_slots.slot_key(s)
+                      for s in patch.update_host_assignments(driver, found))
+
+    assert world("a", "b", "c") == ["a:0", "b:0", "c:0"]
+    for key in ("a", "b", "c"):
+        patch.start_worker_process(driver, SimpleNamespace(hostname=key, local_rank=0))
+    for key in ("a", "b"):
+        patch.handle_worker_exit(driver, SimpleNamespace(hostname=key, local_rank=0), 137, 0.0)
+    assert exits == ["a:0", "b:0"]
+    found = DiscoveredHosts({"a": 1, "c": 1}, ["a", "c"])
+    assert ElasticDriver._update_host_assignments(driver, found) == [], \
+        "Horovod's own answer: nothing to start (the bug this patch exists for)"
+    assert world("a", "c") == ["a:0"]
+    patch.start_worker_process(driver, SimpleNamespace(hostname="a", local_rank=0))
+    assert world("a", "c") == [], "a slot started since its exit is not started twice"
+    assert started == ["a:0", "b:0", "c:0", "a:0"]
 
 
 # -- discovery check --------------------------------------------------------------------------

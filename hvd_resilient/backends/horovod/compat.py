@@ -39,6 +39,7 @@ DRIVER_TARGETS = (
     ("horovod.runner.elastic.driver", "ElasticDriver._start_worker_process"),
     ("horovod.runner.elastic.driver", "ElasticDriver._handle_worker_exit"),
     ("horovod.runner.elastic.driver", "ElasticDriver._get_host_assignments"),
+    ("horovod.runner.elastic.driver", "ElasticDriver._update_host_assignments"),
     ("horovod.runner.elastic.driver", "ElasticDriver.stop"),
     ("horovod.runner.elastic.driver", "ElasticDriver.finished"),
     ("horovod.runner.elastic.registration", "WorkerStateRegistry._wait"),

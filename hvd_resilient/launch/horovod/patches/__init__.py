@@ -28,6 +28,7 @@ from hvd_resilient.launch.horovod.patches import (
     fatal_stop,
     gloo_check,
     leaving,
+    orphan_slots,
     slot_hosts,
     standby,
 )
@@ -64,6 +65,10 @@ ORDER: tuple[Patch, ...] = (
     Patch("standby", standby.install, lambda o: o.standby),
     # Wraps _start_worker_processes: the watch starts with the first workers.
     Patch("evict", evict.install),
+    # Wraps _handle_worker_exit after the standby (every exit marks its slot, a standby's too)
+    # and _start_worker_process, which the standby calls for every start; the only one to
+    # touch _update_host_assignments.
+    Patch("orphan_slots", orphan_slots.install),
     # Replaces launch.gloo_built (a module-level name): touched by nothing else.
     Patch("gloo_check", gloo_check.install),
     # Replaces safe_shell_exec's view of multiprocessing: touched by nothing else; first
