@@ -282,7 +282,10 @@ def test_host_killed_during_checkpoint_upload_leaves_no_visible_checkpoint(chaos
     for k, v in s3.env().items():  # this process reads the store too
         monkeypatch.setenv(k, v)
     manager = CheckpointManager(f"s3://{s3.bucket}/{prefix}")
-    assert step not in [i.step for i in manager.list()]
+    # Listed already only as the redo rule's work (the survivors recover in tenths of a second
+    # and their new rank 0 writes the lost step again, seen in CI): created after the kill.
+    early = [i for i in manager.list() if i.step == step]
+    assert all(i.created > run.marks["fault"] for i in early), (early, run.marks["fault"])
 
     numbers = run.check([3, 2], timeout=300)
     numbers.update(run.timings(), killed_upload_step=step, first_saved=first["ckpt_step"],

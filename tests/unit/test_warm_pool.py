@@ -197,3 +197,16 @@ def test_a_pool_killed_mid_job_costs_its_workers_nothing(tmp_path, pool):
     killed.kill()  # as Horovod ends a slot; the pool is not there to end the worker
     killed.wait(10)
     second.wait(10)  # raises TimeoutExpired if it lives on
+
+
+def test_a_launch_closing_after_its_worker_was_reaped_is_not_an_error(tmp_path):
+    """One `select` can report a worker's exit and its launch's close together; the exit is
+    handled first and reaps the worker. The close must then be nothing: it was a KeyError that
+    ended the pool (CI, four launches exiting at once), and every later launch started cold."""
+    from hvd_resilient.launch.horovod.warm_pool_server import Pool
+
+    pool = Pool(str(tmp_path / "p" / "warm-pool.sock"))
+    try:
+        pool._launch_gone(os.getpid() + 1_000_000)  # a pid the pool no longer holds
+    finally:
+        pool.listener.close()

@@ -216,7 +216,12 @@ class Pool:
         conn.close()
 
     def _launch_gone(self, pid: int) -> None:
-        """The launch process closed its end: it died or was killed; so does its worker."""
+        """The launch process closed its end: it died or was killed; so does its worker. One
+        `select` can report a worker's exit and its launch's close together: the exit, handled
+        first, has reaped the worker (a KeyError here ended the pool, seen in CI with four
+        launches that exit at once)."""
+        if pid not in self.workers:
+            return
         conn, _ = self.workers[pid]
         self.sel.unregister(conn)
         with contextlib.suppress(ProcessLookupError):
