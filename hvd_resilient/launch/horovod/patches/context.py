@@ -9,6 +9,7 @@ launcher threads that ended in an exception).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,20 @@ def masked_line(e: BaseException | str) -> str:
     from hvd_resilient.masking import mask_text
 
     return mask_text(one_line(e, limit=10_000))
+
+
+def slot_key(slot: Any) -> str:
+    """A Horovod slot (SlotInfo) as the driver's tables and the store name it: `host:local_rank`."""
+    return f"{slot.hostname}:{slot.local_rank}"
+
+
+def driver_method(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn(driver, ...)` as a function Horovod's class binds: `self` is the driver."""
+    def method(self: Any, *args: Any) -> Any:
+        return fn(self, *args)
+
+    method.__name__ = method.__qualname__ = fn.__name__
+    return method
 
 
 @dataclass

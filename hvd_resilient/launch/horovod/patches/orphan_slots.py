@@ -25,13 +25,9 @@ from collections.abc import Callable
 from typing import Any
 
 from hvd_resilient.backends.horovod import compat
-from hvd_resilient.launch.horovod.patches.context import PatchContext
+from hvd_resilient.launch.horovod.patches.context import PatchContext, driver_method, slot_key
 
 logger = logging.getLogger(__name__)
-
-
-def slot_key(slot: Any) -> str:
-    return f"{slot.hostname}:{slot.local_rank}"
 
 
 class OrphanSlots:
@@ -76,14 +72,6 @@ class OrphanSlots:
         return [*pending, *orphans]
 
 
-def _method(fn: Callable[..., Any]) -> Callable[..., Any]:
-    def method(self: Any, *args: Any) -> Any:
-        return fn(self, *args)
-
-    method.__name__ = method.__qualname__ = fn.__name__
-    return method
-
-
 def install(ctx: PatchContext) -> None:
     from horovod.runner.elastic.driver import ElasticDriver
 
@@ -91,6 +79,7 @@ def install(ctx: PatchContext) -> None:
                         start=ElasticDriver._start_worker_process,
                         handle_exit=ElasticDriver._handle_worker_exit)
     compat.replace(ElasticDriver, "_update_host_assignments",
-                   _method(patch.update_host_assignments))
-    compat.replace(ElasticDriver, "_start_worker_process", _method(patch.start_worker_process))
-    compat.replace(ElasticDriver, "_handle_worker_exit", _method(patch.handle_worker_exit))
+                   driver_method(patch.update_host_assignments))
+    compat.replace(ElasticDriver, "_start_worker_process",
+                   driver_method(patch.start_worker_process))
+    compat.replace(ElasticDriver, "_handle_worker_exit", driver_method(patch.handle_worker_exit))

@@ -41,13 +41,9 @@ from typing import Any
 
 from hvd_resilient.backends.horovod import compat, driver_kv
 from hvd_resilient.launch.horovod import standby as standby_worker
-from hvd_resilient.launch.horovod.patches.context import PatchContext
+from hvd_resilient.launch.horovod.patches.context import PatchContext, driver_method, slot_key
 
 logger = logging.getLogger(__name__)
-
-
-def slot_key(slot: Any) -> str:
-    return f"{slot.hostname}:{slot.local_rank}"
 
 
 def standby_table(driver: Any) -> dict[str, Any]:
@@ -242,15 +238,6 @@ def keeping_ready(init: Callable[..., None]) -> Callable[..., None]:
     return init_keeping_ready
 
 
-def _method(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn(driver, ...)` as a function Horovod's class binds: `self` is the driver."""
-    def method(self: Any, *args: Any) -> Any:
-        return fn(self, *args)
-
-    method.__name__ = method.__qualname__ = fn.__name__
-    return method
-
-
 def install(ctx: PatchContext) -> None:
     from horovod.runner import launch
     from horovod.runner.elastic.driver import ElasticDriver
@@ -260,8 +247,8 @@ def install(ctx: PatchContext) -> None:
                     handle_exit=ElasticDriver._handle_worker_exit,
                     run_elastic=launch._run_elastic)
     compat.replace(ElasticDriver, "_notify_workers_host_changes",
-                   _method(patch.notify_host_changes))
-    compat.replace(ElasticDriver, "_start_worker_processes", _method(patch.start_or_release))
-    compat.replace(ElasticDriver, "_handle_worker_exit", _method(patch.handle_worker_exit))
+                   driver_method(patch.notify_host_changes))
+    compat.replace(ElasticDriver, "_start_worker_processes", driver_method(patch.start_or_release))
+    compat.replace(ElasticDriver, "_handle_worker_exit", driver_method(patch.handle_worker_exit))
     compat.replace(launch, "_run_elastic", patch.run_elastic)
     compat.replace(RendezvousHTTPServer, "init", keeping_ready(RendezvousHTTPServer.init))
