@@ -13,20 +13,16 @@ would. Closing our own copy would do neither while another copy is open.
 Works for any Gloo group (Horovod's, torch.distributed's): the caller names the connections by
 their endpoints, as seen from this process (how `detect/gloo_watch.py` finds
 the Gloo ones), and only sockets of this process with exactly those endpoints are touched.
-Linux; stdlib and psutil only.
+Linux; stdlib only.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
-import os
 import socket
 from collections.abc import Iterable
 
-import psutil
-
-logger = logging.getLogger(__name__)
+from hvd_resilient.detect import tcp_sockets
 
 Endpoint = tuple[str, int]
 Conn = tuple[Endpoint, Endpoint]
@@ -46,38 +42,30 @@ def _norm(addr: object) -> Endpoint | None:
 def hang_up(connections: Iterable[Conn]) -> int:
     """Shuts down (both directions) this process's TCP sockets with these endpoints; returns
     how many. Never raises: a socket already closed or reused is skipped (its endpoints are
-    checked again on our own duplicate of the descriptor before anything is done to it)."""
+    checked again on our own duplicate of the descriptor before anything is done to it).
+    The sockets are found as the watch finds them (`tcp_sockets`, fd by fd), not from
+    /proc/net/tcp, whose whole-namespace table cost 10-70 ms here in every survivor's failure
+    path."""
     wanted = {(_norm(local), _norm(remote)) for local, remote in connections}
     if not wanted:
         return 0
-    try:
-        found = psutil.Process().net_connections(kind="tcp")
-    except (psutil.Error, OSError) as e:
-        logger.debug("hang-up: cannot list this process's sockets: %s", e)
-        return 0
     done = 0
-    for c in found:
-        if c.fd < 0 or (_norm(c.laddr), _norm(c.raddr)) not in wanted:
+    for found in tcp_sockets.own_sockets():
+        key = (_norm(found.local), _norm(found.remote))
+        if key not in wanted:
             continue
         try:
-            dup = os.dup(c.fd)
+            sock = tcp_sockets.dup_socket(found.fd)
         except OSError:
-            continue
-        try:
-            sock = socket.socket(fileno=dup)
-        except OSError:
-            os.close(dup)
             continue
         with sock:
             try:  # the fd may have been closed and reused since the listing: check again
-                same = ((_norm(sock.getsockname()), _norm(sock.getpeername()))
-                        == (_norm(c.laddr), _norm(c.raddr)))
+                same = (_norm(sock.getsockname()), _norm(sock.getpeername())) == key
             except OSError:
                 same = False
-            key = (_norm(c.laddr), _norm(c.raddr))
-            if same and key in wanted:  # one socket may have several descriptors
+            if same:  # one socket may have several descriptors: once is enough
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
-                    wanted.discard(key)
-                    done += 1
+                wanted.discard(key)
+                done += 1
     return done
