@@ -311,4 +311,32 @@ def _exit_if_stuck(stop: Stop | threading.Event, limit_s: float, what: str,
             import faulthandler
 
             faulthandler.dump_traceback(all_threads=True)
+            _dump_native_stacks()
             exit_now(HUNG_EXIT_CODE)
+
+
+NATIVE_STACKS_ENV = "HVD_RESILIENT_NATIVE_STACKS"
+
+
+def _dump_native_stacks(timeout_s: float = 20.0) -> None:
+    """With `HVD_RESILIENT_NATIVE_STACKS=1` and gdb installed, also write every thread's C/C++
+    stack: the Python stacks end at the call into Horovod, and where its loop waits is what
+    tells a stuck collective library apart from a slow one. Off by default: attaching a
+    debugger costs seconds the stuck rank's peers wait for."""
+    if os.environ.get(NATIVE_STACKS_ENV, "") not in ("1", "true", "yes"):
+        return
+    import shutil
+    import subprocess
+
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        logger.error("%s is set but gdb is not installed; no native stacks", NATIVE_STACKS_ENV)
+        return
+    sys.stderr.flush()
+    try:
+        subprocess.run([gdb, "-p", str(os.getpid()), "-batch", "-nx",
+                        "-ex", "thread apply all bt"], stdin=subprocess.DEVNULL,
+                       stdout=sys.stderr, stderr=subprocess.STDOUT, timeout=timeout_s,
+                       check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        logger.error("native stacks not written (%s)", e)

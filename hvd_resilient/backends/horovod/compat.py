@@ -82,6 +82,9 @@ WORKER_TARGETS = (
     # --deterministic's ordered optimizer (`backends/horovod/ordered.py`)
     ("horovod.torch.optimizer", "_DistributedOptimizer._allreduce_grad_async"),
     ("horovod.torch.optimizer", "_DistributedOptimizer.synchronize"),
+    # every pending operation's tensors pinned, so Horovod's loop never waits for the GIL
+    # (`pinned_handles.py`)
+    ("horovod.torch.mpi_ops", "_handle_map"),
 )
 WORKER_FIELDS = (
     ("horovod.torch.elastic.state", "TorchState", "_handlers"),

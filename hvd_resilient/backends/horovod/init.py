@@ -21,6 +21,7 @@ from typing import Any
 import horovod.torch as hvd
 
 from hvd_resilient.backends import determinism
+from hvd_resilient.backends.horovod import pinned_handles
 from hvd_resilient.backends.horovod.compat import check_compatible
 
 
@@ -44,3 +45,4 @@ def init(comm: Any | None = None, *, ordered: bool = False, deterministic: bool 
         hvd.init()
     else:
         hvd.init(comm=comm)
+    pinned_handles.install()

@@ -22,7 +22,13 @@ import torch
 from horovod.common.elastic import notification_manager
 from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 
-from hvd_resilient.backends.horovod import driver_watch, leaving, lost_slots, slots
+from hvd_resilient.backends.horovod import (
+    driver_watch,
+    leaving,
+    lost_slots,
+    pinned_handles,
+    slots,
+)
 from hvd_resilient.backends.horovod.state import ElasticState, is_elastic
 from hvd_resilient.backends.threads import share_cores
 from hvd_resilient.detect import Detectors, gloo_watch, hangup, progress
@@ -48,6 +54,7 @@ def run(func: Callable[..., T] | None = None, *,
     @functools.wraps(func)
     def wrapper(state: ElasticState, *args: Any, **kwargs: Any) -> T:
         train = functools.partial(func, state, *args, **kwargs)
+        pinned_handles.install()  # the user's own hvd.init() made a plain map
         if not is_elastic():  # mpirun, srun: a silent peer ends this worker, and so the job
             return _run_static(train, state, heartbeat_timeout_s)
         return _run_elastic(train, state, heartbeat_timeout_s)
@@ -197,6 +204,7 @@ def _reset(state: ElasticState, detected: float) -> None:
             hvd.shutdown()
         t1 = time.time()
         hvd.init()  # the driver's rendezvous, then the new world's Gloo connections
+        pinned_handles.install()
         t2 = time.time()
         state.on_reset()
     # where a reset's time goes: shutdown (the old loop joined), init, the state's own reset
