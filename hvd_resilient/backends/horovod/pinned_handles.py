@@ -3,8 +3,9 @@
 Found in the random-kill benchmark (1 run in 20, the job never recovered) and reproduced at
 will: when a peer dies, Horovod's background loop leaves with an exception and finalizes
 (`ProcessSetTable::Finalize_`, under the process-set table's mutex), destroying the tensors of
-every operation still queued. With torch >= 2.10 dropping the last C++ reference to a tensor
-that has a Python object takes the GIL (`TensorImpl::decref_pyobject`). Meanwhile the main
+every operation still queued. Since torch reworked its PyObject preservation (pytorch#167564,
+late 2025; torch 2.13 here), dropping the last C++ reference to a tensor that has a Python
+object takes the GIL (`TensorImpl::decref_pyobject`). Meanwhile the main
 thread, holding the GIL, enqueues the next gradient from a backward hook
 (`EnqueueTensorAllreduces` takes the same table mutex before it checks for shutdown): each
 waits for the other, for ever. Every Python thread of the process stops with them (the hang-up
