@@ -24,7 +24,7 @@ def main() -> None:
     hvd.init() if a.plain else init()
     hvd.allreduce(torch.zeros(1), name="ready")  # both ranks up before the kill
     if hvd.rank() == 1:
-        time.sleep(0.5)
+        time.sleep(0.5)  # the fault's moment, not a synchronisation: rank 0's queue fills
         os.kill(os.getpid(), signal.SIGKILL)
     t0, n = time.monotonic(), 0
     try:

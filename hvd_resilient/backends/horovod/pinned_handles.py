@@ -21,6 +21,12 @@ its base by a C++ reference). Horovod's drops then never take a tensor to its la
 reference, so its loop never waits for the GIL. A view costs about a microsecond per
 operation. The references of an operation that failed are kept until the next `hvd.init()`,
 after `hvd.shutdown()` has joined the loop that may still be dropping its tensors.
+
+What is left: the pin is made just after Horovod's enqueue returns the handle. A loop that
+starts finalizing in those microseconds can reach that one unpinned tensor and wait for the
+GIL; it gets it as soon as the main thread releases it (any torch op, the autograd engine
+between two hooks), and deadlocks only if the main thread's very next call is another enqueue
+with no release in between (a tight Python loop of `*_async` calls).
 """
 
 from __future__ import annotations
