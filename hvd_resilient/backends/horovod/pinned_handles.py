@@ -49,7 +49,9 @@ class PinningHandles(dict):  # type: ignore[type-arg]
             self[handle] = value
 
     def __setitem__(self, handle: Any, value: Any) -> None:
-        self._pins[handle] = [p for t in _tensors(value) if (p := _pin(t)) is not None]
+        # an in-place operation names its tensor twice (input and output): one pin is enough
+        distinct = {id(t): t for t in _tensors(value)}.values()
+        self._pins[handle] = [p for t in distinct if (p := _pin(t)) is not None]
         super().__setitem__(handle, value)
 
     def pop(self, handle: Any, *default: Any) -> Any:
