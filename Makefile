@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 .PHONY: install test test-extended test-fast lint demo bench chaos image clean docker-test \
 	scenarios scenarios-all
 
-$(STAMP): pyproject.toml scripts/install.sh
+$(STAMP): pyproject.toml scripts/install.sh scripts/patch_horovod.py
 	bash scripts/install.sh
 	touch $(STAMP)
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything hvd_resilient and its tests need, on a fresh Debian 12 machine:
 # Open MPI + sshd + iproute2 (apt), a .venv with torch 2.13.0, Horovod 0.28.1 built from its
-# sdist with the C++17 patch (cached as a wheel outside the work tree), mpi4py, boto3,
-# SeaweedFS and the test tools. Idempotent: a second run takes well under a minute.
+# sdist with our patches (scripts/patch_horovod.py; cached as a wheel outside the work tree),
+# mpi4py, boto3, SeaweedFS and the test tools. Idempotent: a second run takes well under a minute.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -56,9 +56,22 @@ pip_q numpy cloudpickle psutil pyyaml packaging cffi wheel setuptools
 TV="$("$VPY" -c 'import torch; print(torch.__version__.replace("+","_"))')"
 PV="$("$VPY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')"
 CUDA_TAG="cpu"; command -v nvcc >/dev/null 2>&1 && command -v nvidia-smi >/dev/null 2>&1 && CUDA_TAG="cuda"
-KEY="horovod-$HOROVOD_VERSION-torch$TV-$PV-$CUDA_TAG"
+# The patch level (scripts/patch_horovod.py) is part of the key: a venv or cached wheel built
+# before a patch is rebuilt, not reused.
+KEY="horovod-$HOROVOD_VERSION-torch$TV-$PV-$CUDA_TAG-p3"
 WHEEL_DIR="$CACHE/wheels/$KEY"
-if ! "$VPY" -c 'import horovod.torch' >/dev/null 2>&1; then
+patched() {  # the installed Horovod carries the Gloo patches' messages
+  "$VPY" - <<'PYEOF' >/dev/null 2>&1
+import glob, os, sys
+import horovod.torch
+sys.path.insert(0, os.environ["HVD_PATCH_DIR"])
+from patch_horovod import MESSAGES
+libs = glob.glob(os.path.join(os.path.dirname(horovod.torch.__file__), "mpi_lib_v2*.so"))
+lib = open(libs[0], "rb").read() if libs else b""
+sys.exit(0 if all(m.encode() in lib for m in MESSAGES) else 1)
+PYEOF
+}
+if ! HVD_PATCH_DIR="$ROOT/scripts" patched; then
   if [ -z "$(ls "$WHEEL_DIR"/horovod-*.whl 2>/dev/null)" ]; then
     log "building Horovod $HOROVOD_VERSION for torch $TV (about 8 minutes on 2 cores; cached in $WHEEL_DIR)"
     build="$(mktemp -d)"
@@ -66,9 +79,8 @@ if ! "$VPY" -c 'import horovod.torch' >/dev/null 2>&1; then
     "$VPY" -m pip download -q --no-deps --no-binary :all: -d "$build" "horovod==$HOROVOD_VERSION"
     tar -xzf "$build"/horovod-*.tar.gz -C "$build"
     src="$(find "$build" -mindepth 1 -maxdepth 1 -type d -name "horovod-*" | head -1)"
-    # torch >= 2.1 headers need C++17; Horovod 0.28.1 asks for C++14 (fixed upstream, unreleased).
-    sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
-    grep -q 'CMAKE_CXX_STANDARD 17' "$src/horovod/torch/CMakeLists.txt" || { log "C++17 patch did not apply"; exit 1; }
+    # C++17 for torch's headers, and Gloo's wedged pair (a message for a failed op's buffer).
+    "$VPY" "$ROOT/scripts/patch_horovod.py" "$src" || { log "the Horovod patches did not apply"; exit 1; }
     gpu_env=()
     [ "$CUDA_TAG" = cuda ] && gpu_env=(HOROVOD_GPU_OPERATIONS=NCCL)
     (cd "$src" && env HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
@@ -79,7 +91,7 @@ if ! "$VPY" -c 'import horovod.torch' >/dev/null 2>&1; then
     rm -rf "$WHEEL_DIR"; mv "$WHEEL_DIR.tmp" "$WHEEL_DIR"
   fi
   log "installing Horovod from $WHEEL_DIR"
-  pip_q --no-deps "$WHEEL_DIR"/horovod-*.whl
+  pip_q --no-deps --force-reinstall "$WHEEL_DIR"/horovod-*.whl
 fi
 
 # ---- the project and the rest ----------------------------------------------------------
