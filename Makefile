@@ -16,7 +16,7 @@ install: $(STAMP)
 # The one test command (README and .ci/run call exactly this). --durations: CI's log names the
 # 30 slowest tests, where CI time is won back.
 test: $(STAMP)
-	$(PY) -m ruff check hvd_resilient discovery tests examples bench
+	$(PY) -m ruff check hvd_resilient discovery tests examples bench scripts
 	$(PY) -m mypy
 	$(PY) -m pytest -q --durations=30 -m "(not chaos or ci_chaos) and not docker and not horovod_scenarios and not extended" $(PYTEST_ARGS)
 
@@ -42,7 +42,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not chaos and not docker" $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(PY) -m ruff check hvd_resilient discovery tests examples bench
+	$(PY) -m ruff check hvd_resilient discovery tests examples bench scripts
 	shellcheck -x scripts/install.sh .ci/run examples/slurm/train.sbatch docker/*.sh docker/chaos/*.sh
 
 # The Docker tier (root): installs docker.io, docker-compose and debootstrap if missing, starts
