@@ -13,7 +13,8 @@ Inputs are measured, and none comes from the runs being predicted:
   runs of the same configurations (``bench/goodput.py --only ... --keep``; their folders are
   arguments here, and what they measured is stored in the output JSON, so ``--render`` redoes
   the table without them), pooled with this stack's kill runs of `bench/recovery.py`
-  (`bench/results/recovery-failures.json`, `recovery-idle.json`: the planner's defaults);
+  (the planner's defaults: `hvd_resilient/report/plan/measured.py`, generated from the
+  benchmarks by `bench/plan_constants.py`);
 - vanilla Horovod's give-up probability from the recovery benchmark (3 of 11 kill runs never
   recovered), and a second failure during its 30 s wait ends the job (Horovod's driver stops
   when every worker of a rendezvous round has failed);

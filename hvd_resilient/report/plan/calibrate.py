@@ -1,4 +1,4 @@
-"""Measured inputs from a run folder's event log (and from `bench/results/checkpoint.json`).
+"""Measured inputs from a run folder's event log.
 
 What a log can give, and what it cannot: the log has no event at the moment of a fault, only
 when survivors noticed it. So "fault -> noticed" (detection) is not in it, and stays the
@@ -16,9 +16,7 @@ instead (`Calibration.observed`).
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +25,7 @@ from typing import Any
 from hvd_resilient.errors import ConfigError
 from hvd_resilient.events import read_events
 from hvd_resilient.report.analysis import Report, analyze
-from hvd_resilient.report.plan.model import CHECKPOINT_FIT, Value
+from hvd_resilient.report.plan.model import Value
 from hvd_resilient.report.timeline import Episode, Launch, normalize, parse
 
 logger = logging.getLogger(__name__)
@@ -231,36 +229,3 @@ def _capacity(report: Report) -> dict[int, float]:
         return {}
     full = rows[max(rows)]
     return {n: r / full for n, r in sorted(rows.items())} if full > 0 else {}
-
-
-# -- bench/results/checkpoint.json ----------------------------------------------------------------
-
-FIT_KEYS = {"ckpt_async_stall_s": "async_stall", "ckpt_sync_s": "sync_stall",
-            "ckpt_upload_s": "async_end_to_end", "restore_s": "restore_s"}
-
-
-def checkpoint_fit(path: str | Path) -> dict[str, tuple[float, float]]:
-    """(seconds at 0 GB, seconds per GB) of each checkpoint cost, by least squares over the
-    medians at each size in `bench/checkpoint_bench.py`'s JSON (what `CHECKPOINT_FIT` holds)."""
-    try:
-        doc = json.loads(Path(path).read_text())
-        rows = doc["results"]
-        gb = [r["bytes"] / 1e9 for r in rows]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"plan: cannot read checkpoint benchmark {path}: {e}") from None
-    out = {}
-    for name, key in FIT_KEYS.items():
-        ys = [float(r["median_seconds"][key]) for r in rows]
-        mx, my = statistics.fmean(gb), statistics.fmean(ys)
-        sxx = sum((x - mx) ** 2 for x in gb)
-        slope = sum((x - mx) * (y - my) for x, y in zip(gb, ys, strict=True)) / sxx
-        out[name] = (round(my - slope * mx, 4), round(slope, 4))
-    return out
-
-
-def fit_matches_default(path: str | Path, tol: float = 1e-3) -> bool:
-    """Whether `CHECKPOINT_FIT` is still the fit of the benchmark JSON at `path`."""
-    fit = checkpoint_fit(path)
-    return all(math.isclose(fit[k][0], CHECKPOINT_FIT[k][0], abs_tol=tol)
-               and math.isclose(fit[k][1], CHECKPOINT_FIT[k][1], rel_tol=tol)
-               for k in FIT_KEYS)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hvd_resilient.errors import ConfigError
+from hvd_resilient.report.plan.measured import CHECKPOINT_FIT, CHECKPOINT_SOURCE, MEASURED
 
 CLASSES = ("crash", "host_loss", "silent_host_loss", "hang", "preempt_notice",
            "preempt_no_notice")
@@ -35,24 +36,6 @@ LLAMA3 = "published: Llama 3 (arXiv:2407.21783, Table 5; 54 days x 16,384 GPUs)"
 LLAMA3_KGPU_DAYS = 16_384 * 54 / 1000.0
 """The exposure behind the Llama 3 counts, in thousands of GPU-days (884.7)."""
 
-CHECKPOINT_BENCH = "measured: bench/results/checkpoint.json (commit def9892), linear fit"
-CHECKPOINT_FIT: dict[str, tuple[float, float]] = {
-    # name: (seconds at 0 GB, seconds per GB); least squares over the 10 MB, 100 MB and 1 GB
-    # medians of `bench/checkpoint_bench.py` (one writer, SeaweedFS on loopback, 2 cores).
-    # `calibrate.checkpoint_fit` recomputes these from the JSON; a unit test keeps them equal.
-    "ckpt_async_stall_s": (-0.0017, 0.1344),
-    "ckpt_sync_s": (-0.0299, 8.2554),
-    "ckpt_upload_s": (-0.0105, 6.8825),
-    "restore_s": (0.0054, 1.6571),
-}
-
-
-KILL_RUNS = ("measured: bench/results/recovery-random-kill.json, random_kill_1host (20 kills "
-             "of a random worker at a random moment, idle; the simulation draws from the samples)")
-OURS_DETECT = (0.131, 0.201, 0.102, 0.165, 0.18, 0.125, 0.157, 0.246, 0.266, 0.161, 0.186, 0.102,
-               0.178, 0.198, 0.175, 0.191, 0.188, 0.283, 0.214, 0.191)
-OURS_RECOVER = (0.322, 0.499, 0.327, 0.282, 0.267, 0.234, 0.372, 0.639, 0.649, 0.374, 0.577, 0.365,
-                0.304, 0.527, 0.604, 0.264, 0.263, 0.649, 0.597, 0.407)
 VANILLA_RECOVER = (0.272, 0.884, 1.05, 0.294, 0.306, 0.174, 0.16, 0.181)
 
 
@@ -73,6 +56,13 @@ class Param:
 
 def _llama(count: int, what: str) -> tuple[float, str]:
     return round(count / LLAMA3_KGPU_DAYS, 5), f"{LLAMA3}: {what}"
+
+
+def _measured(name: str, unit: str, help: str, maximum: float = math.inf) -> Param:
+    """An input whose default `bench/plan_constants.py` derived from the benchmark results."""
+    m = MEASURED[name]
+    return Param(name, float(m["value"]), unit, help, str(m["source"]), maximum=maximum,
+                 samples=tuple(float(x) for x in m["samples"]))
 
 
 _RATES = {
@@ -101,21 +91,15 @@ PARAMS: tuple[Param, ...] = (
           "published: PyTorch's default NCCL process-group timeout, 10 minutes "
           "(pytorch/pytorch#110947)"),
     # -- this project's stack (Horovod backend) --
-    Param("ours_detect_s", 0.183, "s", "ours: fault -> the first survivor notices (hang-up "
-          "watch)", KILL_RUNS, samples=OURS_DETECT),
-    Param("ours_recover_s", 0.373, "s", "ours: noticed -> training again at N-1 (reset + sync "
-          "from the in-memory commit)", f"{KILL_RUNS} (first step - detect)",
-          samples=OURS_RECOVER),
-    Param("ours_join_stall_s", 1.776, "s", "ours: stall of the running job when a host joins "
-          "(standby workers, the reset held until they are warm)",
-          "measured: bench/results/recovery-scale-up.json host_added, median of 5",
-          samples=(2.378, 1.424, 1.776, 2.303, 1.481)),
-    Param("ours_leave_stall_s", 0.322, "s", "ours: stall when a host leaves on notice "
-          "(removed via discovery)", "measured: recovery.json host_removed, median of 5",
-          samples=(0.259, 0.26, 0.381, 0.412, 0.322)),
-    Param("ours_rejoin_s", 42.5, "s", "ours: a crashed worker's host back in the job (blacklist "
-          "cooldown + start)", "project default cooldown 10-30 s (mean 20 s) + measured "
-          "newcomer's first step 22.5 s (recovery-scale-up.json host_added)"),
+    _measured("ours_detect_s", "s", "ours: fault -> the first survivor notices (hang-up watch)"),
+    _measured("ours_recover_s", "s", "ours: noticed -> training again at N-1 (reset + sync "
+              "from the in-memory commit)"),
+    _measured("ours_join_stall_s", "s", "ours: stall of the running job when a host joins "
+              "(standby workers, the reset held until they are warm)"),
+    _measured("ours_leave_stall_s", "s", "ours: stall when a host leaves on notice (removed "
+              "via discovery)"),
+    _measured("ours_rejoin_s", "s", "ours: a crashed worker's host back in the job (blacklist "
+              "cooldown + start)"),
     Param("ours_silent_detect_s", 1.5, "s", "ours (Horovod): a frozen or cut-off peer found by "
           "the peer heartbeats", "project default: recovery.heartbeat_timeout_seconds; "
           "measured: detect 1.50 s (bench/results/recovery-silent.json, partition.json)"),
@@ -126,15 +110,12 @@ PARAMS: tuple[Param, ...] = (
     Param("ours_pg_timeout_s", 300.0, "s", "ours under torchrun: collective timeout that ends "
           "a wait on a silent peer (no heartbeats under torchrun)",
           "project default: recovery.pg_timeout_seconds"),
-    Param("ours_giveup", 0.0, "probability", "ours: an in-process recovery fails and the "
-          "supervisor restarts the job from the durable checkpoint",
-          "measured: 0 of 18 kill runs (recovery-failures.json, recovery-idle.json)",
-          maximum=1.0),
+    _measured("ours_giveup", "probability", "ours: an in-process recovery fails and the "
+              "supervisor restarts the job from the durable checkpoint", maximum=1.0),
     Param("supervisor_delay_s", 1.0, "s", "ours: the supervisor's first relaunch backoff",
           "project default (hvd-resilient run backoff 1-60 s)"),
-    Param("ours_torchrun_restart_s", 1.775, "s", "ours under torchrun: kill -> resumed step "
-          "(warm forked workers), before the restore", "measured: recovery.json torchrun_kill, "
-          "median"),
+    _measured("ours_torchrun_restart_s", "s", "ours under torchrun: kill -> resumed step "
+              "(warm forked workers), before the restore"),
     # -- vanilla Horovod Elastic --
     Param("vanilla_recover_s", 0.24, "s", "vanilla Horovod: after the Gloo timeout -> "
           "training again", "measured: bench/results/recovery-failures.json + "
@@ -156,8 +137,7 @@ PARAMS: tuple[Param, ...] = (
           "(cold workers), before the restore", "measured: recovery-failures.json "
           "torchrun_kill vanilla, median of the runs that finished"),
     # -- any full restart --
-    Param("cold_start_s", 9.395, "s", "a relaunched Horovod job: launch -> training",
-          "measured: bench/results/goodput.json startup_s, median of 10 launches"),
+    _measured("cold_start_s", "s", "a relaunched Horovod job: launch -> training"),
     Param("restart_overhead_s", 0.0, "s", "extra cost of a whole-job restart at scale "
           "(scheduler, rendezvous of thousands of hosts)", "assumption: none added; no "
           "published number used"),
@@ -171,12 +151,12 @@ PARAMS: tuple[Param, ...] = (
           "parallel)", "assumption: inside the 1 MB-4 GB per GPU of Llama 3's checkpoints "
           "(arXiv:2407.21783)", minimum=1e-9),
     Param("ckpt_async_stall_s", math.nan, "s", "stall of an async durable checkpoint",
-          CHECKPOINT_BENCH),
+          CHECKPOINT_SOURCE),
     Param("ckpt_sync_s", math.nan, "s", "stall of a synchronous durable checkpoint",
-          CHECKPOINT_BENCH),
+          CHECKPOINT_SOURCE),
     Param("ckpt_upload_s", math.nan, "s", "background upload of an async checkpoint (not "
-          "durable until it ends)", CHECKPOINT_BENCH),
-    Param("restore_s", math.nan, "s", "load and verify a durable checkpoint", CHECKPOINT_BENCH),
+          "durable until it ends)", CHECKPOINT_SOURCE),
+    Param("restore_s", math.nan, "s", "load and verify a durable checkpoint", CHECKPOINT_SOURCE),
     Param("commit_s", math.nan, "s", "stall of an in-memory commit", "assumption: copies the "
           "state like the async snapshot (bench/results/checkpoint.json)"),
 )
