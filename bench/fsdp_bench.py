@@ -116,9 +116,10 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace,
     model = build_model(args.size_mb)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     model = fsdp.shard(model, opt, torch.device("cpu"))
-    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=10))
-    results = {name: bench_store(url, model, opt, rank, world, group, args.repeats)
-               for name, url in urls.items()}
+    # one checkpoint group per store: a checkpointer's close() releases the group it was given
+    results = {name: bench_store(url, model, opt, rank, world, dist.new_group(
+        backend="gloo", timeout=datetime.timedelta(minutes=10)), args.repeats)
+        for name, url in urls.items()}
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
