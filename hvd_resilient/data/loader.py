@@ -48,6 +48,7 @@ import functools
 import itertools
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import queue
 import random
@@ -700,7 +701,7 @@ class ElasticLoader:
                     self.worker_losses += 1
                     pending = [t.seq for t in feed.unacked]
                     error = " ".join(str(e).split())
-                    gone = [w.pid for w in getattr(it, "_workers", []) if not w.is_alive()]
+                    gone = _dead_workers(getattr(it, "_workers", []))
                     if gone and not any(str(pid) in error for pid in gone):
                         # a reset connection names no worker: say which one(s) died
                         error += f" (worker pid {', '.join(map(str, gone))} gone)"
@@ -733,6 +734,15 @@ class ElasticLoader:
             except queue.Full:
                 continue
         return False
+
+
+def _dead_workers(workers: list[Any], wait_s: float = 2.0) -> list[int]:
+    """The pids of the loader workers that have ended. A killed worker's sockets close while
+    it is still exiting, so the reset the loader sees can come before the process is reapable
+    (`is_alive()` still True): wait on the workers' sentinels, which are ready once the
+    process has closed its files, for up to `wait_s`."""
+    ready = multiprocessing.connection.wait([w.sentinel for w in workers], timeout=wait_s)
+    return [w.pid for w in workers if w.sentinel in ready]
 
 
 @contextlib.contextmanager
