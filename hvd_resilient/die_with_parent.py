@@ -10,10 +10,23 @@ import ctypes
 import logging
 import os
 import signal
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _libc_prctl() -> Any:
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux
+        return None
+
+
+_PRCTL = _libc_prctl()
+"""Resolved at import, in the parent: a child just forked from a threaded process (an at-fork
+hook) must not take the dynamic loader's lock, which another thread may have held at the fork."""
 
 
 def die_with_parent(parent_pid: int | None) -> bool:
@@ -24,12 +37,10 @@ def die_with_parent(parent_pid: int | None) -> bool:
     before it ends). If the parent is already gone before the request took effect, nothing
     would ever come: `parent_pid` (the pid that forked this process, None when unknown, as under
     forkserver) is checked after it, and this process ends at once if it was orphaned."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            logger.debug("prctl(PR_SET_PDEATHSIG): errno %d", ctypes.get_errno())
-            return False
-    except (OSError, AttributeError):  # not Linux
+    if _PRCTL is None:
+        return False
+    if _PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        logger.debug("prctl(PR_SET_PDEATHSIG): errno %d", ctypes.get_errno())
         return False
     if parent_pid is not None and os.getppid() != parent_pid:
         os.kill(os.getpid(), signal.SIGKILL)

@@ -56,15 +56,20 @@ def _time_gone(pids: list[int], since: float, timeout: float) -> float | None:
     return time.time() - since
 
 
+def _start_child(tmp_path, jobs, *args: str) -> subprocess.Popen:
+    marker = uuid.uuid4().hex
+    env = jobs.env(**{MARKER: marker})
+    proc = subprocess.Popen([PYTHON, str(SCRIPTS / "loader_orphan_child.py"), str(tmp_path),
+                             *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    jobs.jobs.append(Job(proc, marker, tmp_path / "none.log"))  # cleanup kills what it made
+    return proc
+
+
 def test_a_killed_process_takes_its_loader_workers_and_its_output_pipes_with_it(tmp_path, jobs):
     """No launcher: the process's stdout is a pipe read here, as Horovod's launcher reads its
     workers'. Each loader worker starts a helper that inherits its stdout and lives on."""
-    marker = uuid.uuid4().hex
-    env = jobs.env(**{MARKER: marker})
-    proc = subprocess.Popen([PYTHON, str(SCRIPTS / "loader_orphan_child.py"), str(tmp_path)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
-    jobs.jobs.append(Job(proc, marker, tmp_path / "none.log"))  # cleanup kills what it made
+    proc = _start_child(tmp_path, jobs)
     out: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
     eof: dict[str, float] = {}
 
@@ -101,6 +106,24 @@ def test_a_killed_process_takes_its_loader_workers_and_its_output_pipes_with_it(
     for w in workers:
         assert f"hello from loader worker {w}" in stdout, stdout
         assert f"loader worker {w} on stderr" in stderr, stderr
+
+
+def test_a_worker_stuck_before_its_init_still_dies_with_its_process(tmp_path, jobs):
+    """A worker forked while another thread of the rank held a lock can block on it inside
+    torch's worker code, before `worker_init_fn` asks for the death signal (1 in 28 data_bench
+    runs hung on such an orphan). The signal is asked for at the fork, so it dies anyway."""
+    proc = _start_child(tmp_path, jobs, "--stuck-before-init")
+    proc.stdout.close()
+    proc.stderr.close()
+    ready = tmp_path / "ready"
+    wait_for(ready.exists, 120, "the loader's two workers")
+    workers = sorted(int(w) for w in json.loads(ready.read_text())["workers"])
+    assert len(workers) == 2 and _gone(workers) is False
+    t_kill = time.time()
+    os.kill(proc.pid, signal.SIGKILL)
+    gone = _time_gone(workers, t_kill, 10.0)
+    assert gone is not None and gone < GONE_S, (
+        f"workers stuck before their init outlived their process ({gone} s after the kill)")
 
 
 def _output_pipes(pid: int) -> set[str]:
