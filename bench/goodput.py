@@ -192,6 +192,8 @@ def job_launch(run: Path, stack: str, launcher_args: list[str], job_args: list[s
     env = dict(os.environ, PYTHONPATH=f"{ROOT}:{os.environ.get('PYTHONPATH', '')}",
                PATH=f"{VENV_BIN}:{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1")
     env.pop("HVD_RESILIENT_FAULT", None)  # the faults come from the benchmark, not the job
+    if stack == "ours":  # as `hvd-resilient run` does: the driver's events join the workers'
+        env["HVD_RESILIENT_RUN_DIR"] = str(run)
     return cmd, env
 
 

@@ -5,7 +5,9 @@
 `hvd.elastic.TorchState` and `hvd.elastic.ElasticSampler`, as a user of plain Horovod Elastic
 writes it (Horovod's MNIST elastic example). The model (`TinyLM`), the text, the optimizer
 (AdamW, constant LR), the per-rank batch and the commit cadence are the same; neither stack
-writes durable checkpoints (the benchmark measures in-process recovery only).
+writes durable checkpoints (the benchmark measures in-process recovery only). Ours holds an
+addition (a killed worker's slot back from its cooldown) until its standby is warm, as the
+Trainer does (`hold_additions=True`; without it the others waited 2.5-2.7 s in every such join).
 
 Both record one event format, so the benchmark and `hvd-resilient report` read either:
 `start` (with the pid the fault injector kills by, and on rank 0 the config), rank 0's `commit`
@@ -77,7 +79,8 @@ class LoggedTorchState(hvd.elastic.TorchState):
 def run_ours(model: nn.Module, opt: torch.optim.Optimizer, n_windows: int, a: argparse.Namespace,
              events: EventLog, train_step: TrainStep) -> None:
     state = ElasticState(model, opt, sampler=ElasticDataSampler(n_windows, seed=a.seed),
-                         seed=a.seed, events=events, host_check_every=a.host_check_every)
+                         seed=a.seed, events=events, host_check_every=a.host_check_every,
+                         hold_additions=True)  # as the Trainer does: train through a warm-up
 
     @hvd_resilient.run
     def train(state: ElasticState) -> None:
