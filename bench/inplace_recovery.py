@@ -181,6 +181,9 @@ def run_once(row: str, work: Path, timeout: float, recover_timeout: float,
                 pass
         proc.wait()
         shutil.rmtree(shm, ignore_errors=True)
+        if "error" in out:  # the why of a failed run, kept in the JSON (its folder is removed)
+            text = (run / "console.log").read_text(errors="replace")
+            out["console_tail"] = text[-4000:]
 
 
 def measure_join(run: Path, survivors: set[int], give_up: float,
