@@ -75,8 +75,8 @@ def recorder() -> tuple[list[tuple[Any, ...]], Any]:
 def test_the_order_is_one_list_and_the_switches_pick_from_it():
     names = [p.name for p in patches.ORDER]
     assert names == ["discovery_interval", "discovery_check", "discovery_watch", "slot_hosts",
-                     "fatal_stop", "standby", "evict", "orphan_slots", "gloo_check",
-                     "fast_middleman", "leaving"]
+                     "fatal_stop", "standby", "evict", "orphan_slots", "stop_signal",
+                     "gloo_check", "fast_middleman", "leaving"]
 
     def wanted(options: DriverOptions) -> list[str]:
         return [p.name for p in patches.ORDER if p.wanted(options)]
@@ -84,7 +84,7 @@ def test_the_order_is_one_list_and_the_switches_pick_from_it():
     assert wanted(DriverOptions()) == [n for n in names[1:] if n != "discovery_watch"]
     assert wanted(DriverOptions(slot_hosts=False, standby=False, discovery_interval_s=0.5)) \
         == ["discovery_interval", "discovery_check", "fatal_stop", "evict", "orphan_slots",
-            "gloo_check", "fast_middleman", "leaving"]
+            "stop_signal", "gloo_check", "fast_middleman", "leaving"]
 
 
 def test_install_follows_the_order_it_is_given():

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -90,6 +91,8 @@ def launch(argv: list[str], ctx: PatchContext, since: float) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as e:
+        if ctx.stopped_by:
+            return _stopped(ctx.stopped_by)
         if ctx.fatal or _fatal_recorded(ctx, since):
             # The worker said why (in the event log under `hvd-resilient run`, else on its
             # stderr); Horovod's "processes exited with non-zero status" adds nothing.
@@ -101,7 +104,14 @@ def launch(argv: list[str], ctx: PatchContext, since: float) -> int:
             reason = ctx.thread_errors[0]  # the cause, which Horovod only says "see above" of
         print(f"hvd-resilient: launcher: {reason}", file=sys.stderr, flush=True)
         return 1
-    return 0
+    return _stopped(ctx.stopped_by) if ctx.stopped_by else 0
+
+
+def _stopped(name: str) -> int:
+    """The exit of a job stopped by a signal (`patches/stop_signal.py`): 128 + its number."""
+    print(f"hvd-resilient: launcher: stopped by {name}; the workers were ended and none "
+          "restarted", file=sys.stderr, flush=True)
+    return 128 + int(signal.Signals[name])
 
 
 def main(argv: list[str] | None = None) -> None:

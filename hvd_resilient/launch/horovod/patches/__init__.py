@@ -31,6 +31,7 @@ from hvd_resilient.launch.horovod.patches import (
     orphan_slots,
     slot_hosts,
     standby,
+    stop_signal,
 )
 from hvd_resilient.launch.horovod.patches.context import PatchContext
 
@@ -69,6 +70,9 @@ ORDER: tuple[Patch, ...] = (
     # and _start_worker_process, which the standby calls for every start; the only one to
     # touch _update_host_assignments.
     Patch("orphan_slots", orphan_slots.install),
+    # Replaces gloo_run.register_shutdown_event and ElasticDriver.start: touched by nothing
+    # else.
+    Patch("stop_signal", stop_signal.install),
     # Replaces launch.gloo_built (a module-level name): touched by nothing else.
     Patch("gloo_check", gloo_check.install),
     # Replaces safe_shell_exec's view of multiprocessing: touched by nothing else; first

@@ -47,6 +47,8 @@ class PatchContext:
     """Why the discovery script's first answer was unusable."""
     thread_errors: list[str] = field(default_factory=list)
     """First lines of the exceptions that ended launcher threads."""
+    stopped_by: str = ""
+    """The signal that stopped the job (SIGTERM, SIGINT), if one did."""
     _events: Any = field(default=None, repr=False)
 
     def emit(self, event: str, **fields: Any) -> None:

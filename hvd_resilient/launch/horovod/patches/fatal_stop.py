@@ -23,6 +23,15 @@ from hvd_resilient.launch.horovod.patches.context import PatchContext
 logger = logging.getLogger(__name__)
 
 
+def stop_job(driver: Any, message: str) -> None:
+    """Stops Horovod's driver: its shutdown event ends every worker, no reset follows, and
+    the threads already waiting at a reset's barrier are let go instead of waiting forever."""
+    driver.stop(error_message=message)
+    barrier = driver._worker_registry._barrier  # None until the first reset
+    if barrier is not None:
+        barrier.abort()
+
+
 def stop_on_fatal(ctx: PatchContext, handle_exit: Callable[..., None]) -> Callable[..., None]:
     """`ElasticDriver._handle_worker_exit` that stops the driver first on exit code 78."""
 
@@ -33,10 +42,7 @@ def stop_on_fatal(ctx: PatchContext, handle_exit: Callable[..., None]) -> Callab
             message = (f"worker {name} (rank {slot.rank}) stopped on an error no restart "
                        f"fixes (exit code {FATAL_EXIT_CODE}); stopping the job")
             logger.debug("%s", message)
-            self.stop(error_message=message)
-            barrier = self._worker_registry._barrier  # None until the first reset
-            if barrier is not None:  # workers already waiting at a reset must not wait forever
-                barrier.abort()
+            stop_job(self, message)
         handle_exit(self, slot, exit_code, timestamp)
 
     return handle_worker_exit

@@ -1,0 +1,80 @@
+"""SIGTERM or SIGINT to the driver stops the job, not just its current workers.
+
+Horovod's elastic launcher answers the signal by setting the event that ends every worker's
+process (each gets SIGTERM, and SIGKILL 5 s later), and nothing else. The driver then took
+those exits for failures: it blacklisted their hosts, reset, and started new workers that the
+same event ended at once, until no host was left; then it waited out its elastic timeout
+(600 s). Measured: a driver that `timeout 30` signalled ran on for 10 minutes, and a scheduler
+that stops a job with SIGTERM would have waited for its own SIGKILL. Here the signal also stops
+the driver, as a worker's fatal stop does: no reset follows, no worker starts, and the driver
+exits once its workers have, with 128 + the signal's number and one line saying why.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from hvd_resilient.backends.horovod import compat
+from hvd_resilient.launch.horovod.patches.context import PatchContext, driver_method
+from hvd_resilient.launch.horovod.patches.fatal_stop import stop_job
+
+logger = logging.getLogger(__name__)
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopOnSignal:
+    """The replacements: `gloo_run.register_shutdown_event` (Horovod's signal handlers) and
+    `ElasticDriver.start`, where the driver to stop is seen."""
+
+    def __init__(self, ctx: PatchContext, *, register: Callable[[], threading.Event],
+                 start: Callable[..., Any]) -> None:
+        self.ctx = ctx
+        self._register = register
+        self._start = start
+        self._driver: Any = None
+        self._seen = threading.Event()  # the driver is known
+
+    def start(self, driver: Any, *args: Any) -> Any:
+        self._driver = driver
+        self._seen.set()
+        return self._start(driver, *args)
+
+    def register_shutdown_event(self) -> threading.Event:
+        """Horovod's event (set on the signal: its workers end), with the driver stopped too."""
+        event = self._register()
+
+        def on_signal(signum: int, _frame: object) -> None:
+            event.set()
+            if not self.ctx.stopped_by:  # a second signal changes nothing
+                self.ctx.stopped_by = signal.Signals(signum).name
+                # not in the handler: the main thread may hold a lock stop() needs
+                threading.Thread(target=self._stop, name="hvd-resilient-stop-signal",
+                                 daemon=True).start()
+
+        for sig in SIGNALS:
+            signal.signal(sig, on_signal)
+        return event
+
+    def _stop(self) -> None:
+        name = self.ctx.stopped_by
+        logger.warning("%s: stopping the job (every worker gets SIGTERM, then SIGKILL after "
+                       "5 s; none is started again)", name)
+        self.ctx.emit("stop_signal", signal=name)
+        self._seen.wait()  # set just after the handlers are installed
+        if not self._driver.finished():
+            stop_job(self._driver, f"stopped by {name}")
+
+
+def install(ctx: PatchContext) -> None:
+    from horovod.runner import gloo_run
+    from horovod.runner.elastic.driver import ElasticDriver
+
+    patch = StopOnSignal(ctx, register=gloo_run.register_shutdown_event,
+                         start=ElasticDriver.start)
+    compat.replace(gloo_run, "register_shutdown_event", patch.register_shutdown_event)
+    compat.replace(ElasticDriver, "start", driver_method(patch.start))
