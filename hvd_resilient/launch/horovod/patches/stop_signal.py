@@ -1,13 +1,16 @@
 """SIGTERM or SIGINT to the driver stops the job, not just its current workers.
 
 Horovod's elastic launcher answers the signal by setting the event that ends every worker's
-process (each gets SIGTERM, and SIGKILL 5 s later), and nothing else. The driver then took
-those exits for failures: it blacklisted their hosts, reset, and started new workers that the
-same event ended at once, until no host was left; then it waited out its elastic timeout
-(600 s). Measured: a driver that `timeout 30` signalled ran on for 10 minutes, and a scheduler
-that stops a job with SIGTERM would have waited for its own SIGKILL. Here the signal also stops
-the driver, as a worker's fatal stop does: no reset follows, no worker starts, and the driver
-exits once its workers have, with 128 + the signal's number and one line saying why.
+process (each gets SIGTERM, and SIGKILL 5 s later), and nothing else: the driver takes those
+exits for failures. When every worker of the world fails in the same round, Horovod stops
+("failure count == N -> stop running") and exits 1 blaming "processes exited with non-zero
+status ... Exit code: 143"; when the exits straddle a reset (a worker that ignores SIGTERM
+until its SIGKILL, a reset already under way), it blacklists, resets and starts new workers
+that the same event ends at once, until no host is left and its elastic timeout (600 s)
+passes: a driver that `timeout 30` signalled once ran on for 10 minutes (session 29, a job
+with a stuck worker). Here the signal stops the driver itself, as a worker's fatal stop does:
+no reset follows, no worker starts, and the driver exits once its workers have, with 128 + the
+signal's number and one line saying why.
 """
 
 from __future__ import annotations
