@@ -223,11 +223,14 @@ def test_mpi_rank_killed_supervisor_restarts_and_ends_bit_identical(tmp_path, jo
     assert len(ref_digests) == 1 and digests == ref_digests
 
 
-def _preempted_mpi_job(tmp_path, jobs, epochs: int) -> tuple[Path, object]:
-    """An mpi job under `hvd-resilient run` past its first checkpoint."""
+def _preempted_mpi_job(tmp_path, jobs, epochs: int, backend: str = "mpi"
+                       ) -> tuple[Path, object]:
+    """An mpi (or another backend's) job under `hvd-resilient run` past its first checkpoint."""
     run = tmp_path / "run"
-    job = jobs.start([HVD, "run", "--backend", "mpi", "--np", "2", "--run-id", "p",
-                      "--run-dir", str(run), "--", PYTHON, DIGITS, "--epochs", str(epochs),
+    extra = ["--network-interface", "lo"] if backend == "horovod" else []
+    job = jobs.start([HVD, "run", "--backend", backend, "--np", "2", "--run-id", "p",
+                      "--run-dir", str(run), *extra, "--", PYTHON, DIGITS,
+                      "--epochs", str(epochs),
                       "--commit-every", "5", "--checkpoint-every", "50",
                       "--grace-seconds", "30"], name="preempt")
     wait_for(lambda: any(e["event"] == "checkpoint_saved" for e in events(run / "events.jsonl")),
@@ -274,6 +277,22 @@ def test_sigterm_to_run_stops_mpi_ranks_at_a_final_checkpoint(tmp_path, jobs):
     evs = events(run / "events.jsonl")
     _stopped_at_a_final_checkpoint(evs)
     assert not any(e["event"] == "restart" for e in evs), "a stopped run was relaunched"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sigterm_to_run_stops_horovod_workers_at_a_final_checkpoint(tmp_path, jobs):
+    """Horovod's driver answers the SIGTERM by ending its workers with SIGTERM (SIGKILL 5 s
+    later): each stops at a final checkpoint and exits 75, the driver starts none again and
+    exits 75 too (`patches/stop_signal.py`), and the run is not relaunched."""
+    run, job = _preempted_mpi_job(tmp_path, jobs, 2000, backend="horovod")
+    job.proc.send_signal(signal.SIGTERM)
+    assert job.wait(120) == 75, job.output()[-3000:]
+    evs = events(run / "events.jsonl")
+    pre0 = _stopped_at_a_final_checkpoint(evs)
+    assert not any(e["event"] == "restart" for e in evs), "a stopped run was relaunched"
+    late = [e for e in evs if e["event"] == "start" and e["rank"] >= 0 and e["ts"] > pre0["ts"]]
+    assert not late, f"workers started after the stop: {late}"
 
 
 @pytest.mark.slow

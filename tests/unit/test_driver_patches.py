@@ -75,7 +75,7 @@ def recorder() -> tuple[list[tuple[Any, ...]], Any]:
 def test_the_order_is_one_list_and_the_switches_pick_from_it():
     names = [p.name for p in patches.ORDER]
     assert names == ["discovery_interval", "discovery_check", "discovery_watch", "slot_hosts",
-                     "fatal_stop", "standby", "evict", "orphan_slots", "stop_signal",
+                     "fatal_stop", "stop_signal", "standby", "evict", "orphan_slots",
                      "gloo_check", "fast_middleman", "leaving"]
 
     def wanted(options: DriverOptions) -> list[str]:
@@ -83,8 +83,8 @@ def test_the_order_is_one_list_and_the_switches_pick_from_it():
 
     assert wanted(DriverOptions()) == [n for n in names[1:] if n != "discovery_watch"]
     assert wanted(DriverOptions(slot_hosts=False, standby=False, discovery_interval_s=0.5)) \
-        == ["discovery_interval", "discovery_check", "fatal_stop", "evict", "orphan_slots",
-            "stop_signal", "gloo_check", "fast_middleman", "leaving"]
+        == ["discovery_interval", "discovery_check", "fatal_stop", "stop_signal", "evict",
+            "orphan_slots", "gloo_check", "fast_middleman", "leaving"]
 
 
 def test_install_follows_the_order_it_is_given():

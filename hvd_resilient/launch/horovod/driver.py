@@ -26,7 +26,7 @@ import warnings
 from collections.abc import Callable
 
 from hvd_resilient.backends.horovod import compat, driver_watch
-from hvd_resilient.errors import FATAL_EXIT_CODE, LaunchError
+from hvd_resilient.errors import FATAL_EXIT_CODE, PREEMPTED_EXIT_CODE, LaunchError
 from hvd_resilient.fatal_events import EVENTS_FILE, fatal_events
 from hvd_resilient.launch.horovod import patches
 from hvd_resilient.launch.horovod.options import DriverOptions
@@ -92,7 +92,7 @@ def launch(argv: list[str], ctx: PatchContext, since: float) -> int:
         return 130
     except Exception as e:
         if ctx.stopped_by:
-            return _stopped(ctx.stopped_by)
+            return _stopped(ctx)
         if ctx.fatal or _fatal_recorded(ctx, since):
             # The worker said why (in the event log under `hvd-resilient run`, else on its
             # stderr); Horovod's "processes exited with non-zero status" adds nothing.
@@ -104,14 +104,20 @@ def launch(argv: list[str], ctx: PatchContext, since: float) -> int:
             reason = ctx.thread_errors[0]  # the cause, which Horovod only says "see above" of
         print(f"hvd-resilient: launcher: {reason}", file=sys.stderr, flush=True)
         return 1
-    return _stopped(ctx.stopped_by) if ctx.stopped_by else 0
+    return _stopped(ctx) if ctx.stopped_by else 0
 
 
-def _stopped(name: str) -> int:
-    """The exit of a job stopped by a signal (`patches/stop_signal.py`): 128 + its number."""
-    print(f"hvd-resilient: launcher: stopped by {name}; the workers were ended and none "
-          "restarted", file=sys.stderr, flush=True)
-    return 128 + int(signal.Signals[name])
+def _stopped(ctx: PatchContext) -> int:
+    """The exit of a job stopped by a signal (`patches/stop_signal.py`): 75 when every worker
+    stopped at a final checkpoint, else 128 + the signal's number."""
+    exits = ctx.exits_after_stop
+    if exits and all(code == PREEMPTED_EXIT_CODE for code in exits):
+        print(f"hvd-resilient: launcher: stopped by {ctx.stopped_by}; every worker stopped at "
+              "a final checkpoint", file=sys.stderr, flush=True)
+        return PREEMPTED_EXIT_CODE
+    print(f"hvd-resilient: launcher: stopped by {ctx.stopped_by}; the workers were ended "
+          f"(exit codes {sorted(set(exits))}) and none restarted", file=sys.stderr, flush=True)
+    return 128 + int(signal.Signals[ctx.stopped_by])
 
 
 def main(argv: list[str] | None = None) -> None:

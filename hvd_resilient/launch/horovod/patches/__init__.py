@@ -61,6 +61,10 @@ ORDER: tuple[Patch, ...] = (
     # Wraps _handle_worker_exit: before the standby, which wraps it again, so that a standby
     # exiting before its release is only logged (it never stops the job).
     Patch("fatal_stop", fatal_stop.install),
+    # Replaces gloo_run.register_shutdown_event and ElasticDriver.start (touched by nothing
+    # else) and wraps _handle_worker_exit before the standby, so that the exit of a standby
+    # not yet released (it holds no state) is not counted among the workers' at a stop.
+    Patch("stop_signal", stop_signal.install),
     # HVD_RESILIENT_STANDBY: replaces _start_worker_processes outright (it starts or releases
     # each slot itself), so the eviction watch, which wraps it, comes after.
     Patch("standby", standby.install, lambda o: o.standby),
@@ -70,9 +74,6 @@ ORDER: tuple[Patch, ...] = (
     # and _start_worker_process, which the standby calls for every start; the only one to
     # touch _update_host_assignments.
     Patch("orphan_slots", orphan_slots.install),
-    # Replaces gloo_run.register_shutdown_event and ElasticDriver.start: touched by nothing
-    # else.
-    Patch("stop_signal", stop_signal.install),
     # Replaces launch.gloo_built (a module-level name): touched by nothing else.
     Patch("gloo_check", gloo_check.install),
     # Replaces safe_shell_exec's view of multiprocessing: touched by nothing else; first

@@ -49,6 +49,8 @@ class PatchContext:
     """First lines of the exceptions that ended launcher threads."""
     stopped_by: str = ""
     """The signal that stopped the job (SIGTERM, SIGINT), if one did."""
+    exits_after_stop: list[int] = field(default_factory=list)
+    """The exit codes of the workers that ended after that signal."""
     _events: Any = field(default=None, repr=False)
 
     def emit(self, event: str, **fields: Any) -> None:

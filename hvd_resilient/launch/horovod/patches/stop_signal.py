@@ -9,8 +9,10 @@ until its SIGKILL, a reset already under way), it blacklists, resets and starts 
 that the same event ends at once, until no host is left and its elastic timeout (600 s)
 passes: a driver that `timeout 30` signalled once ran on for 10 minutes (session 29, a job
 with a stuck worker). Here the signal stops the driver itself, as a worker's fatal stop does:
-no reset follows, no worker starts, and the driver exits once its workers have, with 128 + the
-signal's number and one line saying why.
+no reset follows, no worker starts, and the driver exits once its workers have, with one line
+saying why and 75 when every worker stopped at a final checkpoint (the Trainer's answer to
+SIGTERM: exit 75, as the ranks under mpirun), else 128 + the signal's number. The workers get
+Horovod's middleman grace, 5 s from SIGTERM to SIGKILL, for that checkpoint.
 """
 
 from __future__ import annotations
@@ -31,16 +33,26 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class StopOnSignal:
-    """The replacements: `gloo_run.register_shutdown_event` (Horovod's signal handlers) and
-    `ElasticDriver.start`, where the driver to stop is seen."""
+    """The replacements: `gloo_run.register_shutdown_event` (Horovod's signal handlers),
+    `ElasticDriver.start`, where the driver to stop is seen, and `_handle_worker_exit`, where
+    the workers' exits after the signal are."""
 
     def __init__(self, ctx: PatchContext, *, register: Callable[[], threading.Event],
-                 start: Callable[..., Any]) -> None:
+                 start: Callable[..., Any], handle_exit: Callable[..., None]) -> None:
         self.ctx = ctx
         self._register = register
         self._start = start
+        self._handle_exit = handle_exit
         self._driver: Any = None
         self._seen = threading.Event()  # the driver is known
+
+    def handle_worker_exit(self, driver: Any, slot: Any, exit_code: int,
+                           timestamp: Any) -> None:
+        """Notes each exit after the signal: workers that all stopped at a final checkpoint
+        (exit 75, the preemption path) make the driver's own exit 75, as under mpirun."""
+        if self.ctx.stopped_by:
+            self.ctx.exits_after_stop.append(exit_code)
+        self._handle_exit(driver, slot, exit_code, timestamp)
 
     def start(self, driver: Any, *args: Any) -> Any:
         self._driver = driver
@@ -78,6 +90,7 @@ def install(ctx: PatchContext) -> None:
     from horovod.runner.elastic.driver import ElasticDriver
 
     patch = StopOnSignal(ctx, register=gloo_run.register_shutdown_event,
-                         start=ElasticDriver.start)
+                         start=ElasticDriver.start, handle_exit=ElasticDriver._handle_worker_exit)
     compat.replace(gloo_run, "register_shutdown_event", patch.register_shutdown_event)
     compat.replace(ElasticDriver, "start", driver_method(patch.start))
+    compat.replace(ElasticDriver, "_handle_worker_exit", driver_method(patch.handle_worker_exit))
