@@ -108,10 +108,12 @@ def launch(argv: list[str], ctx: PatchContext, since: float) -> int:
 
 
 def _stopped(ctx: PatchContext) -> int:
-    """The exit of a job stopped by a signal (`patches/stop_signal.py`): 75 when every worker
-    stopped at a final checkpoint, else 128 + the signal's number."""
+    """The exit of a job stopped by a signal (`patches/stop_signal.py`): 75 when the workers
+    stopped at a final checkpoint, else 128 + the signal's number. A 0 among them counts as
+    clean: Horovod's middleman can report 0 for a worker it ended (it reaps its shell twice,
+    and `Popen.wait` says 0 when the other reap wins)."""
     exits = ctx.exits_after_stop
-    if exits and all(code == PREEMPTED_EXIT_CODE for code in exits):
+    if PREEMPTED_EXIT_CODE in exits and all(code in (0, PREEMPTED_EXIT_CODE) for code in exits):
         print(f"hvd-resilient: launcher: stopped by {ctx.stopped_by}; every worker stopped at "
               "a final checkpoint", file=sys.stderr, flush=True)
         return PREEMPTED_EXIT_CODE
