@@ -378,7 +378,8 @@ def main(argv: list[str]) -> int:
         # mpirun passes SIGUSR1 on to every rank, on every host: the preemption path
         graceful = signal.SIGUSR1 if opts["launcher"] == "mpi" else None
         outcome = Supervisor(cmd, env, opts["run_dir"], max_restarts=opts["max_restarts"],
-                             graceful=graceful).run()
+                             graceful=graceful,
+                             signal_group=opts["launcher"] != "horovod").run()
     finally:
         if pool is not None:
             pool.stop()

@@ -44,10 +44,14 @@ class Supervisor:
     def __init__(self, cmd: list[str], env: dict[str, str], run_dir: str, *,
                  max_restarts: int = 3, backoff: tuple[float, float] = (1.0, 60.0),
                  sleep: Callable[[float], None] = time.sleep,
-                 graceful: signal.Signals | None = None) -> None:
+                 graceful: signal.Signals | None = None, signal_group: bool = True) -> None:
         """``graceful``: the signal the launcher passes on to every rank as a preemption (the
         workers' final checkpoint), sent in place of the first SIGTERM or SIGINT. mpirun's own
-        answer to SIGTERM is to kill its ranks, with no time for that checkpoint."""
+        answer to SIGTERM is to kill its ranks, with no time for that checkpoint.
+        ``signal_group``: a signal goes to the launcher's whole process group (torchrun's
+        workers are in it); off, to the launcher alone: Horovod's driver ends its workers
+        itself, and the forkserver its middlemen come from must outlive the signal to report
+        their exits (killed with the group, every worker's exit read 255)."""
         self.cmd = cmd
         self.env = env
         self.events_path = Path(run_dir) / "events.jsonl"
@@ -58,6 +62,7 @@ class Supervisor:
         self._child: subprocess.Popen | None = None
         self._stopping = False
         self.graceful = graceful
+        self.signal_group = signal_group
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         """The supervisor itself is being stopped: pass it on, and do not restart."""
@@ -65,7 +70,10 @@ class Supervisor:
         if self.graceful is not None and signum in (signal.SIGTERM, signal.SIGINT):
             signum, self.graceful = self.graceful, None  # once: a second signal is as given
         if self._child is not None and self._child.poll() is None:
-            os.killpg(self._child.pid, signum)
+            if self.signal_group:
+                os.killpg(self._child.pid, signum)
+            else:
+                self._child.send_signal(signum)
 
     def _events_since(self, t0: float) -> list[dict]:
         return [e for e in read_events(self.events_path) if e["ts"] >= t0]

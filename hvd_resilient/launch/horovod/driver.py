@@ -92,7 +92,7 @@ def launch(argv: list[str], ctx: PatchContext, since: float) -> int:
         return 130
     except Exception as e:
         if ctx.stopped_by:
-            return _stopped(ctx)
+            return _stopped(ctx, masked_line(e))
         if ctx.fatal or _fatal_recorded(ctx, since):
             # The worker said why (in the event log under `hvd-resilient run`, else on its
             # stderr); Horovod's "processes exited with non-zero status" adds nothing.
@@ -104,15 +104,17 @@ def launch(argv: list[str], ctx: PatchContext, since: float) -> int:
             reason = ctx.thread_errors[0]  # the cause, which Horovod only says "see above" of
         print(f"hvd-resilient: launcher: {reason}", file=sys.stderr, flush=True)
         return 1
-    return _stopped(ctx) if ctx.stopped_by else 0
+    return _stopped(ctx, "") if ctx.stopped_by else 0
 
 
-def _stopped(ctx: PatchContext) -> int:
+def _stopped(ctx: PatchContext, reason: str) -> int:
     """The exit of a job stopped by a signal (`patches/stop_signal.py`): 75 when the workers
     stopped at a final checkpoint, else 128 + the signal's number. A 0 among them counts as
     clean: Horovod's middleman can report 0 for a worker it ended (it reaps its shell twice,
     and `Popen.wait` says 0 when the other reap wins)."""
-    exits = ctx.exits_after_stop
+    # elastic: every exit the driver saw after the signal; static (no driver): the first
+    # non-zero exit, all Horovod's error names
+    exits = ctx.exits_after_stop or [int(c) for c in re.findall(r"Exit code: (\d+)", reason)]
     if PREEMPTED_EXIT_CODE in exits and all(code in (0, PREEMPTED_EXIT_CODE) for code in exits):
         print(f"hvd-resilient: launcher: stopped by {ctx.stopped_by}; every worker stopped at "
               "a final checkpoint", file=sys.stderr, flush=True)

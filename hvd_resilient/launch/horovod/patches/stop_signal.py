@@ -80,8 +80,8 @@ class StopOnSignal:
         logger.warning("%s: stopping the job (every worker gets SIGTERM, then SIGKILL after "
                        "5 s; none is started again)", name)
         self.ctx.emit("stop_signal", signal=name)
-        self._seen.wait()  # set just after the handlers are installed
-        if not self._driver.finished():
+        self._seen.wait()  # set just after the handlers are installed; never on a static run,
+        if not self._driver.finished():  # whose workers the event alone ends
             stop_job(self._driver, f"stopped by {name}")
 
 
