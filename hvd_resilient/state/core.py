@@ -27,6 +27,16 @@ from hvd_resilient.state.optim import load_optimizer_state
 logger = logging.getLogger(__name__)
 
 
+RANK_LOCAL = frozenset({"last_loss"})
+"""Plain extras that are each rank's own observation, never state the ranks share: the
+trainer's ``last_loss`` is the loss of this rank's own batch at its last step (nothing averages
+it over the ranks). Such a value is committed and restored with the other attributes (a restore
+gives each rank back its own loss at the commit) and checkpointed (rank 0's), but the verified
+sync neither compares nor sends it: compared, it differed on every rank but 0 after every
+in-place restore, so each recovery sent ``attributes`` and reported every survivor as
+differing, a report that would also have hidden a real divergence of the counters."""
+
+
 def lr_scale_for(rule: str, world_size: int) -> float:
     return float(world_size) if rule == "linear" else 1.0
 
@@ -66,6 +76,7 @@ class StateCore:
         model): committed, synced, verified and checkpointed like the model, never by
         reference as plain attributes."""
         self._extra_names = tuple(k for k in extras if k not in self._stateful)
+        self._local_names = tuple(k for k in self._extra_names if k in RANK_LOCAL)
         self.last_commit_step = 0
         self._after_sync: list[Callable[[], None]] = []
         self._before_commit: list[Callable[[], None]] = []
@@ -126,11 +137,18 @@ class StateCore:
 
     # -- agreement between ranks ----------------------------------------------------------
     def attribute_names(self) -> tuple[str, ...]:
-        """The plain attributes every rank must agree on after a sync."""
+        """The plain attributes every rank must agree on after a sync (not the rank-local
+        ones, :data:`RANK_LOCAL`)."""
         return ("step", "samples", "lr_scale", "ckpt_requested", "ckpt_published",
-                *self._extra_names)
+                *(k for k in self._extra_names if k not in self._local_names))
 
     def _get_attributes(self) -> dict[str, Any]:
+        """Every plain attribute a commit keeps: the agreed ones and this rank's own."""
+        return {k: getattr(self, k) for k in (*self.attribute_names(), *self._local_names)}
+
+    def _agreed_attributes(self) -> dict[str, Any]:
+        """What the sync's ``attributes`` component compares and sends: a rank-local value
+        left out, since the ranks' differ by design (:data:`RANK_LOCAL`)."""
         return {k: getattr(self, k) for k in self.attribute_names()}
 
     def _put_attributes(self, values: dict[str, Any]) -> None:
@@ -150,7 +168,7 @@ class StateCore:
                           *self._stateful.items()):
             if obj is not None:
                 out.append(Component(name, obj.state_dict, obj.load_state_dict))
-        out.append(Component("attributes", self._get_attributes, self._put_attributes))
+        out.append(Component("attributes", self._agreed_attributes, self._put_attributes))
         return out
 
     def sharded(self) -> bool:
