@@ -67,10 +67,13 @@ class CheckpointOptions:
     snapshot_reuse: bool = setting(True, aliases=("store_snapshot_reuse",))
     """Reuse the snapshot buffers from one checkpoint to the next (false: give them back after
     every checkpoint, paying the first touch of fresh memory each time)."""
+    lease_epoch: int = 0
+    """The run's lease epoch this job holds, set by `hvd-resilient run` (0: none, unfenced). A
+    checkpoint is published only while the run's fence is not newer (a relaunch took it over)."""
 
     def __post_init__(self) -> None:
         _require(self.keep_last >= 1, "checkpoint_keep_last", ">= 1", self.keep_last)
-        for name in ("every", "keep_every", "store_wait_seconds"):
+        for name in ("every", "keep_every", "store_wait_seconds", "lease_epoch"):
             _require(getattr(self, name) >= 0, f"checkpoint_{name}", ">= 0",
                      getattr(self, name))
         _require(self.grace_seconds > 0, "checkpoint_grace_seconds", "> 0", self.grace_seconds)

@@ -62,8 +62,12 @@ class EventLog:
         rank: Callable[[], int] | int = 0,
         size: Callable[[], int] | int = 1,
         step: Callable[[], int] | int | None = None,
+        lease_epoch: int | None = None,
     ) -> None:
+        """``lease_epoch``: the run's lease epoch of the job writing (`run_lease.py`), carried
+        by each of its events, so that a reader tells the jobs of one run apart."""
         self.path = Path(path) if path else None
+        self.lease_epoch = lease_epoch
         self._rank = rank
         self._size = size
         self.step_source = step
@@ -104,6 +108,8 @@ class EventLog:
             "size": size,
             "step": self._value(self.step_source if self.step_source is not None else 0),
         }
+        if self.lease_epoch:
+            record["lease_epoch"] = self.lease_epoch
         record.update(_clean(fields))
         if self.path is not None:
             line = (json.dumps(record, separators=(",", ":"), default=str) + "\n").encode()

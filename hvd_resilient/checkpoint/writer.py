@@ -11,6 +11,8 @@ raised into training.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -19,12 +21,20 @@ from typing import Any
 
 from hvd_resilient.checkpoint.errors import CheckpointExistsError
 from hvd_resilient.checkpoint.events import EventFn, emit
+from hvd_resilient.checkpoint.fence import CheckpointFencedError
 from hvd_resilient.checkpoint.manager import CheckpointManager
 from hvd_resilient.checkpoint.manifest import CheckpointInfo, step_dir
 from hvd_resilient.checkpoint.serialize import to_buffer
-from hvd_resilient.errors import one_line
+from hvd_resilient.errors import FATAL_EXIT_CODE, one_line
 
 logger = logging.getLogger(__name__)
+
+def stop_fenced(e: CheckpointFencedError) -> None:
+    """Ends this process at once (from the writer's thread, wherever training is): exit 78, a
+    fault no restart fixes, so that no supervisor relaunches the displaced job."""
+    print(f"hvd-resilient: stopping: {e}", file=sys.stderr, flush=True)
+    os._exit(FATAL_EXIT_CODE)
+
 
 #: ``{file name: object}``; bytes-like values are stored as is, others go through torch.save.
 Files = Mapping[str, Any]
@@ -238,6 +248,14 @@ class AsyncCheckpointWriter:
                 job.step, job.epoch, job.world_size, blobs, run_id=job.run_id, meta=job.meta
             )
             t2 = time.perf_counter()
+        except CheckpointFencedError as e:
+            # A relaunch took the run over: nothing this job writes may count any more, and
+            # training on would only burn the machine. One line, and the process ends.
+            self.failed += 1
+            emit(self.on_event, "checkpoint_fenced", {"ckpt_step": job.step, "epoch": e.epoch,
+                                                      "fence": e.fence})
+            stop_fenced(e)
+            return None
         except CheckpointExistsError as e:
             # Published already (write-once): by a rank 0 that died before the others learned
             # of it, and that state is the one the survivors restored. It counts as saved.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import secrets
 import shlex
 import signal
 import socket
@@ -32,15 +33,19 @@ from hvd_resilient.launch.horovod import warm_pool
 from hvd_resilient.launch.horovod.command import ElasticLaunch, horovodrun_command
 from hvd_resilient.launch.horovod.standby import runnable_here
 from hvd_resilient.launch.horovod.warm_pool_server import Started
+from hvd_resilient.launch.job_guard import JOB_ENV, end_job
 from hvd_resilient.launch.run_options import LAUNCHERS, RUN
 from hvd_resilient.launch.supervisor import Supervisor
 from hvd_resilient.masking import has_credentials, mask_env, mask_text, mask_url
+from hvd_resilient.run_lease import LeaseHeldError, LeaseRecord, RunLease
 from hvd_resilient.settings import load_file
 
 __all__ = ["LAUNCHERS", "build_parser", "launcher_command", "main", "resolve"]
 
 FORWARDED_PREFIXES = ("HVD_RESILIENT_", "AWS_", "PYTHONPATH", "OMP_NUM_THREADS")
 MEMORY_SCOPE_ENV = "HVD_RESILIENT_MEMORY_TIER_SCOPE"
+LEASE_EPOCH_ENV = "HVD_RESILIENT_CHECKPOINT_LEASE_EPOCH"
+"""The workers' `checkpoint.lease_epoch`: the epoch of the run's lease this launch took."""
 """The workers' `memory_tier_scope`, which --fresh-start sets for them."""
 
 
@@ -335,6 +340,38 @@ def fresh_start(url: str) -> str:
             f"{shown}/{tag}` lists them); starting from step 0")
 
 
+def take_run(opts: dict[str, Any], token: str) -> RunLease:
+    """Takes the run's lease (`run_lease.py`) and raises the checkpoint store's fence to its
+    epoch: from here on, a job that held the run before can publish no checkpoint. A live
+    holder is waited for (--lease-wait) or displaced (--take-over); one left behind on this
+    machine by a dead supervisor is ended first, should its guard have missed anything."""
+    from hvd_resilient.checkpoint.fence import raise_fence
+    from hvd_resilient.checkpoint.stores import StoreError, open_store
+
+    lease = RunLease(opts["run_dir"], token)
+
+    def waiting(old: LeaseRecord) -> None:
+        print(f"hvd-resilient run: run {opts['run_id']} is held by a live job "
+              f"({old.describe(time.time())}); waiting up to {opts['lease_wait']:g} s for it "
+              "to end (--take-over takes the run from it)", file=sys.stderr, flush=True)
+
+    try:
+        old = lease.acquire(wait_s=opts["lease_wait"], take_over=opts["take_over"],
+                            on_wait=waiting)
+    except LeaseHeldError as e:
+        raise LaunchError(f"{e}; stop it first, or pass --take-over to take the run from it "
+                          "(its checkpoints are refused from then on)") from None
+    try:
+        raise_fence(open_store(opts["checkpoint"]), lease.epoch)
+    except StoreError as e:
+        lease.release()
+        raise LaunchError(f"checkpoint store {mask_url(opts['checkpoint'])}: cannot set the "
+                          f"run's fence: {e}") from None
+    if old is not None and old.token and old.holder.split(":")[0] == socket.gethostname():
+        end_job(old.token)
+    return lease
+
+
 def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -343,6 +380,8 @@ def main(argv: list[str]) -> int:
     env.update({
         "HVD_RESILIENT_RUN_ID": opts["run_id"], "HVD_RESILIENT_RUN_DIR": opts["run_dir"],
         "HVD_RESILIENT_CHECKPOINT_URL": opts["checkpoint"], SUPERVISED_ENV: "1",
+        # marks every process of this job, on every host: what ends with this process
+        JOB_ENV: f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(8)}",
     })
     if opts["fresh_start"]:  # never resume from the old history's memory tier either
         env[MEMORY_SCOPE_ENV] = time.strftime("fresh%Y%m%dT%H%M%S", time.gmtime())
@@ -368,9 +407,11 @@ def main(argv: list[str]) -> int:
     if opts.get("hosts"):
         check_hosts_reachable(parse_hosts(opts["hosts"]), opts["ssh_port"])
     check_store(opts["checkpoint"])
+    Path(opts["run_dir"]).mkdir(parents=True, exist_ok=True)
+    lease = take_run(opts, env[JOB_ENV])  # before anything is written to the run
+    env[LEASE_EPOCH_ENV] = str(lease.epoch)
     if opts["fresh_start"]:
         print(fresh_start(opts["checkpoint"]), flush=True)
-    Path(opts["run_dir"]).mkdir(parents=True, exist_ok=True)
     pool = start_pool(opts, env)
     if pool is not None:  # its socket is one more name for mpirun to forward
         cmd = launcher_command(opts, sorted(k for k in env if k.startswith(FORWARDED_PREFIXES)))
@@ -378,11 +419,12 @@ def main(argv: list[str]) -> int:
         # mpirun passes SIGUSR1 on to every rank, on every host: the preemption path
         graceful = signal.SIGUSR1 if opts["launcher"] == "mpi" else None
         outcome = Supervisor(cmd, env, opts["run_dir"], max_restarts=opts["max_restarts"],
-                             graceful=graceful,
-                             signal_group=opts["launcher"] != "horovod").run()
+                             graceful=graceful, signal_group=opts["launcher"] != "horovod",
+                             lease=lease).run()
     finally:
         if pool is not None:
             pool.stop()
+        lease.release()
     msg = f"hvd-resilient run: {outcome.reason} (exit {outcome.exit_code}, " \
           f"{outcome.restarts} restarts; events: {opts['run_dir']}/events.jsonl)"
     print(mask_text(msg), file=sys.stderr if outcome.exit_code else sys.stdout)

@@ -53,6 +53,12 @@ class RunOptions:
     """Before the first launch only, set the checkpoints at --checkpoint aside
     (superseded-<UTC time>) so that training starts from step 0; relaunches resume as usual
     (default: resume from them)."""
+    lease_wait: float = 30.0
+    """Seconds to wait for a live job that holds this run (its lease in --run-dir) to end
+    before giving up with one line; a dead job's lease is free within seconds."""
+    take_over: bool = False
+    """Take the run from a live job at once (a higher lease epoch): its checkpoints are refused
+    from then on and it stops itself (default: wait for it, --lease-wait)."""
     replace: bool = False
     """Inplace: start a new worker for each one lost; it joins the others at their next commit
     once it is up (default: train on without it)."""

@@ -25,7 +25,9 @@ from pathlib import Path
 from hvd_resilient.errors import FATAL_EXIT_CODE
 from hvd_resilient.events import EventLog, read_events
 from hvd_resilient.fatal_events import fatal_events
+from hvd_resilient.launch.job_guard import JOB_ENV, Guard, end_job
 from hvd_resilient.launch.launcher_output import OutputFacts, Tee
+from hvd_resilient.run_lease import RENEW_S, LeaseLostError, RunLease
 
 logger = logging.getLogger(__name__)
 SUPERVISOR_RANK = -1
@@ -44,18 +46,24 @@ class Supervisor:
     def __init__(self, cmd: list[str], env: dict[str, str], run_dir: str, *,
                  max_restarts: int = 3, backoff: tuple[float, float] = (1.0, 60.0),
                  sleep: Callable[[float], None] = time.sleep,
-                 graceful: signal.Signals | None = None, signal_group: bool = True) -> None:
+                 graceful: signal.Signals | None = None, signal_group: bool = True,
+                 lease: RunLease | None = None) -> None:
         """``graceful``: the signal the launcher passes on to every rank as a preemption (the
         workers' final checkpoint), sent in place of the first SIGTERM or SIGINT. mpirun's own
         answer to SIGTERM is to kill its ranks, with no time for that checkpoint.
         ``signal_group``: a signal goes to the launcher's whole process group (torchrun's
         workers are in it); off, to the launcher alone: Horovod's driver ends its workers
         itself, and the forkserver its middlemen come from must outlive the signal to report
-        their exits (killed with the group, every worker's exit read 255)."""
+        their exits (killed with the group, every worker's exit read 255).
+        ``lease``: the run's lease this launch took; renewed while the job runs. Should a
+        relaunch take the run over, the job is ended and the run is not relaunched."""
         self.cmd = cmd
         self.env = env
         self.events_path = Path(run_dir) / "events.jsonl"
-        self.events = EventLog(self.events_path, rank=SUPERVISOR_RANK, size=0, step=0)
+        self.lease = lease
+        self.events = EventLog(self.events_path, rank=SUPERVISOR_RANK, size=0, step=0,
+                               lease_epoch=lease.epoch if lease else None)
+        self._lost = ""
         self.max_restarts = max_restarts
         self.backoff = backoff
         self._sleep = sleep
@@ -105,6 +113,40 @@ class Supervisor:
         return min(self.backoff[1], self.backoff[0] * 2**streak), streak + 1
 
     def run(self) -> Outcome:
+        """Launches until done. With `JOB_ENV` in the launchers' environment, a guard process
+        ends every process of the job if this one dies (`launch/job_guard.py`)."""
+        guard = Guard(self.env[JOB_ENV], str(self.events_path.parent)) \
+            if JOB_ENV in self.env else None
+        done = threading.Event()
+        if self.lease is not None:
+            self.events.emit("lease_taken", holder=self.lease.holder)
+            threading.Thread(target=self._hold, args=(self.lease, done), daemon=True,
+                             name="hvdr-lease").start()
+        try:
+            return self._run()
+        finally:
+            done.set()
+            if guard is not None:
+                guard.close()
+
+    def _hold(self, lease: RunLease, done: threading.Event) -> None:
+        """Renews the lease; a run taken over by a newer epoch ends this job, every process of
+        it, and the supervisor does not relaunch."""
+        while not done.wait(RENEW_S):
+            try:
+                lease.renew()
+            except LeaseLostError as e:
+                self._lost = str(e)
+                self._stopping = True
+                self.events.emit("lease_lost", error=self._lost)
+                logger.error("%s; ending this job", self._lost)
+                if JOB_ENV in self.env:
+                    end_job(self.env[JOB_ENV])
+                return
+            except OSError as e:  # the run folder's filesystem hiccuped: the next try may do
+                logger.warning("renewing the run's lease failed: %s", e)
+
+    def _run(self) -> Outcome:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             signal.signal(sig, self._on_signal)
         attempt = streak = 0
@@ -120,6 +162,8 @@ class Supervisor:
                 # fatal error (the others trained on), and that is never success.
                 return Outcome(FATAL_EXIT_CODE, attempt,
                                f"not restarting: {fatal[0].get('error')}")
+            if self._lost:
+                return Outcome(FATAL_EXIT_CODE, attempt, f"stopped: {self._lost}")
             if code == 0:
                 return Outcome(0, attempt, "finished")
             if self._stopping:

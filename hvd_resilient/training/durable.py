@@ -27,6 +27,7 @@ import time
 from typing import Any, TypedDict
 
 from hvd_resilient.backends.base import Backend
+from hvd_resilient.checkpoint.fence import fenced
 from hvd_resilient.checkpoint.host_buffers import pool
 from hvd_resilient.checkpoint.manager import CheckpointManager
 from hvd_resilient.checkpoint.manifest import REPLICATED, CheckpointInfo
@@ -126,12 +127,14 @@ class DurableCheckpoints:
     def manager(self) -> CheckpointManager:
         if self._manager is None:
             opts = self.config.checkpoint
-            self._manager = CheckpointManager(
+            hook = before_publish(self._faults, self.backend.rank())
+            self._manager = manager = CheckpointManager(
                 opts.url, keep_last=opts.keep_last, keep_every=opts.keep_every,
-                on_event=self._emit,
-                before_publish=before_publish(self._faults, self.backend.rank()),
+                on_event=self._emit, before_publish=hook,
                 **self.config.store.store_options(opts.url),
             )
+            if opts.lease_epoch:  # a relaunch that took the run over fences this job out
+                manager.before_publish = fenced(lambda: manager.store, opts.lease_epoch, hook)
         return self._manager
 
     @property

@@ -1,0 +1,169 @@
+"""One job per run: the lease a supervised launch holds on its run folder, with a fencing epoch.
+
+Two jobs on one run race on its checkpoints and memory-tier commits, and only write-once
+publishing keeps them from overwriting each other. A launch therefore takes the run's lease
+(`lease.json` in the run folder, a shared filesystem across hosts) before it starts anything:
+
+- a lease whose holder renewed it within `TTL_S` belongs to a live job. A relaunch waits for it
+  (bounded) or, told to, takes the run over;
+- a lease not renewed for `TTL_S`, one released, or one whose holder process is gone from this
+  host (its pid and start time no longer match), is free: a dead job costs seconds, not minutes;
+- every take raises the epoch by one. The new epoch is written to the checkpoint store as its
+  fence (`checkpoint/fence.py`) and given to the workers; a checkpoint published under an older
+  epoch is refused, so a job that was taken over can no longer change what the run keeps.
+
+Each read-modify-write of the lease is serialised by an flock on `lease.lock` beside it; the
+record itself is replaced atomically (`os.replace`), so a reader never sees half of it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+LEASE_FILE = "lease.json"
+TTL_S = 5.0
+"""A lease not renewed for this long is free: the holder's supervisor renews every `RENEW_S`."""
+RENEW_S = 1.0
+
+
+def _start_time(pid: int) -> str:
+    """The process's start time in clock ticks since boot ('' when it is gone): with the pid it
+    names one process, whatever pid reuse does."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return ""
+    return stat[stat.rfind(b")") + 2:].split()[19].decode()
+
+
+def this_process() -> str:
+    """`host:pid:start`, the holder name of the calling process."""
+    return f"{socket.gethostname()}:{os.getpid()}:{_start_time(os.getpid())}"
+
+
+@dataclass
+class LeaseRecord:
+    epoch: int
+    holder: str
+    """`host:pid:start` of the supervisor that holds it."""
+    token: str
+    """The job token of the holder (`launch/job_guard.JOB_ENV`): what marks its processes."""
+    renewed: float
+    released: bool = False
+
+    def live(self, now: float) -> bool:
+        """Whether a live job holds it. A holder on this host is checked directly; one on
+        another host by the age of its last renewal."""
+        if self.released or now - self.renewed > TTL_S:
+            return False
+        host, _, rest = self.holder.partition(":")
+        pid, _, start = rest.partition(":")
+        if host == socket.gethostname() and pid.isdigit():
+            return _start_time(int(pid)) == start
+        return True
+
+    def describe(self, now: float) -> str:
+        host, _, rest = self.holder.partition(":")
+        return (f"epoch {self.epoch}, supervisor pid {rest.partition(':')[0]} on {host}, "
+                f"renewed {max(0.0, now - self.renewed):.1f} s ago")
+
+
+class LeaseHeldError(Exception):
+    """A live job holds the run."""
+
+
+class LeaseLostError(Exception):
+    """The run was taken over by a newer epoch."""
+
+
+class RunLease:
+    """The lease of one run folder, as one supervisor sees it."""
+
+    def __init__(self, run_dir: str | os.PathLike[str], token: str,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.folder = Path(run_dir)
+        self.path = self.folder / LEASE_FILE
+        self.token = token
+        self.holder = this_process()
+        self.epoch = 0
+        self._clock = clock
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.folder / "lease.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def read(self) -> LeaseRecord | None:
+        """The record as it is now (None: never taken, or unreadable: treated as free)."""
+        try:
+            raw = json.loads(self.path.read_text())
+            return LeaseRecord(**raw)
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def _write(self, record: LeaseRecord) -> None:
+        tmp = self.path.with_name(f".{LEASE_FILE}.{os.getpid()}")
+        tmp.write_text(json.dumps(asdict(record)))
+        os.replace(tmp, self.path)
+
+    def acquire(self, *, wait_s: float, take_over: bool,
+                on_wait: Callable[[LeaseRecord], None] | None = None) -> LeaseRecord | None:
+        """Takes the run with the next epoch, and returns the record it replaced (None: there
+        was none). A live holder is waited for up to `wait_s` (`on_wait` is told once), or
+        displaced at once with `take_over`.
+
+        Raises:
+            LeaseHeldError: a live job still holds it after `wait_s`.
+        """
+        deadline = time.monotonic() + wait_s
+        told = False
+        while True:
+            with self._locked():
+                old = self.read()
+                now = self._clock()
+                if old is None or take_over or not old.live(now):
+                    self.epoch = (old.epoch if old else 0) + 1
+                    self._write(LeaseRecord(self.epoch, self.holder, self.token, now))
+                    return old
+            if time.monotonic() >= deadline:
+                raise LeaseHeldError(f"run {self.folder} is held by a live job "
+                                     f"({old.describe(now)})")
+            if on_wait is not None and not told:
+                on_wait(old)
+                told = True
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+
+    def renew(self) -> None:
+        """Marks the lease live again.
+
+        Raises:
+            LeaseLostError: a newer epoch holds the run (this job was taken over).
+        """
+        with self._locked():
+            now = self._clock()
+            rec = self.read()
+            if rec is not None and rec.epoch > self.epoch:
+                raise LeaseLostError(f"run {self.folder} was taken over: {rec.describe(now)}")
+            self._write(LeaseRecord(self.epoch, self.holder, self.token, now))
+
+    def release(self) -> None:
+        """Frees the lease at once for the next launch (only while this epoch holds it)."""
+        with self._locked():
+            rec = self.read()
+            if rec is not None and rec.epoch == self.epoch:
+                rec.released = True
+                self._write(rec)
