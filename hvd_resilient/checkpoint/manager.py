@@ -49,6 +49,7 @@ from hvd_resilient.checkpoint.reader import (
 from hvd_resilient.checkpoint.stores import (
     Buffer,
     CheckpointStore,
+    StoreError,
     StoreExistsError,
     validate_key,
 )
@@ -72,6 +73,11 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+STALE_UPLOAD_SECONDS = 3600.0
+"""Age after which an unfinished upload counts as abandoned whoever started it (the default of
+``hvd-resilient ckpt prune --stale-uploads-after``): a save of a step removes older ones from
+its folder, and those whose writer the store knows to be gone at once."""
 
 
 class CheckpointManager(CheckpointReader):
@@ -197,6 +203,8 @@ class CheckpointManager(CheckpointReader):
             raise ValueError(f"{prefix!r} is not a checkpoint folder (step-NNNNNNNNNN)")
         if step not in self._begun:
             self._refuse_published(step)
+        else:
+            self._sweep(prefix)
         entries: dict[str, FileEntry] = {}
         with ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash") as hasher:
             for name, data in files.items():
@@ -205,6 +213,27 @@ class CheckpointManager(CheckpointReader):
                 self.store.put(f"{prefix}/{name}", view)
                 entries[name] = FileEntry(len(view), digest.result(), DEFAULT)
         return entries
+
+    def _sweep(self, prefix: str) -> None:
+        """Removes from the folder of a save that this manager began what writers killed
+        mid-write left there (local disk: the temporary files of a rank 0 killed while it
+        wrote this step before), before this save writes its own; best effort (a failure
+        is logged: it costs space, not the checkpoint). Only what no live writer can own
+        goes at once: the store judges a writer gone only where it can be sure (local disk:
+        a process of this machine and pid namespace that no longer exists), anything else
+        only after `STALE_UPLOAD_SECONDS`, like ``hvd-resilient ckpt prune``. The other
+        ranks of a sharded save write their files here at the same time, and they are alive.
+        Done here, not in :meth:`begin`, which a sharded save runs in the training step."""
+        try:
+            n = self.store.abort_stale_uploads(STALE_UPLOAD_SECONDS, prefix=prefix + "/",
+                                               writer_gone=True)
+        except StoreError as e:
+            logger.warning("could not clear what killed writers left in %s/%s: %s",
+                           self.url, prefix, e)
+            return
+        if n:
+            logger.info("removed %d unfinished upload(s) of killed writers from %s/%s",
+                        n, self.url, prefix)
 
     def publish(
         self,
@@ -251,7 +280,8 @@ class CheckpointManager(CheckpointReader):
                 return info.step
         return None
 
-    def abort_stale_uploads(self, older_than: float = 3600.0, dry_run: bool = False) -> int:
+    def abort_stale_uploads(self, older_than: float = STALE_UPLOAD_SECONDS,
+                            dry_run: bool = False) -> int:
         """Remove what writes killed midway left below the URL (S3: multipart uploads, billed
         until aborted; local disk: temporary files) if older than ``older_than`` seconds;
         return how many (would be) removed.
@@ -302,8 +332,15 @@ class CheckpointManager(CheckpointReader):
         return removed
 
     def _delete_folder(self, step: int) -> None:
-        self._verified.discard(step_dir(step))
-        self.store.delete(self.store.list(step_dir(step) + "/"))
+        """Removes the folder of ``step`` whole: first what unfinished writes left in it
+        (local disk: temporary files, which no listing shows, and which would keep the
+        folder), of any age: a folder removed is published (write-once: no one writes into
+        it) or torn and older than the newest verified checkpoint; then its files, with the
+        last of which the folder goes."""
+        prefix = step_dir(step)
+        self._verified.discard(prefix)
+        self.store.abort_stale_uploads(0, prefix=prefix + "/")
+        self.store.delete(self.store.list(prefix + "/"))
 
     # ---- supersede ------------------------------------------------------------------------
 

@@ -218,13 +218,18 @@ class CheckpointStore(abc.ABC):
         validate_key(dst)
         self._retry("copy", src, lambda: self._copy(src, dst))
 
-    def abort_stale_uploads(self, older_than: float, dry_run: bool = False) -> int:
-        """Remove what interrupted writes left below the base URL, invisible but taking
+    def abort_stale_uploads(self, older_than: float, dry_run: bool = False,
+                            prefix: str = "", *, writer_gone: bool = False) -> int:
+        """Remove what interrupted writes left below the base URL (of keys that start with
+        ``prefix`` only, a plain string prefix as in :meth:`list`), invisible but taking
         space (S3: multipart uploads never completed nor aborted, which are billed; local
         disk: temporary files of a killed writer), if started at least ``older_than``
         seconds ago; return how many (that would be) removed. Younger ones may be writes in
         progress and are left alone; ``older_than=0`` removes them all (only when nothing
-        writes below the URL).
+        writes below the URL, or below ``prefix``). ``writer_gone``: also younger ones that
+        the backend knows no live writer owns (local disk: the temporary files of a process
+        of this machine that no longer exists); a backend that cannot tell (S3) goes by age
+        alone.
 
         Raises:
             ValueError: ``older_than`` < 0.
@@ -232,8 +237,9 @@ class CheckpointStore(abc.ABC):
         """
         if older_than < 0:
             raise ValueError(f"older_than must be >= 0 seconds, got {older_than}")
-        return self._retry("abort stale uploads", "<all>",
-                           lambda: self._abort_stale_uploads(older_than, dry_run))
+        return self._retry(
+            "abort stale uploads", prefix or "<all>",
+            lambda: self._abort_stale_uploads(older_than, dry_run, prefix, writer_gone))
 
     def put_file(self, key: str, path: str) -> None:
         """Store the contents of the local file ``path`` under ``key`` (atomically).
@@ -380,7 +386,8 @@ class CheckpointStore(abc.ABC):
         """Default: through memory."""
         self._put(dst, memoryview(self._get(src)).cast("B"))
 
-    def _abort_stale_uploads(self, older_than: float, dry_run: bool) -> int:
+    def _abort_stale_uploads(self, older_than: float, dry_run: bool, prefix: str = "",
+                             writer_gone: bool = False) -> int:
         """Default: the backend leaves nothing behind."""
         return 0
 

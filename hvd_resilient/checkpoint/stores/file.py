@@ -6,11 +6,16 @@ crash or power loss leaves either the old file or the complete new one, never a 
 :meth:`~CheckpointStore.put_new` (manifests) hard-links the finished temporary file to the
 final name instead: ``link`` fails if the name exists, so of two racing writers exactly one
 creates it (also on NFS, where ``O_EXCL`` was long unreliable but ``link`` is atomic).
+
+A writer killed mid-write (SIGKILL, power loss) leaves its temporary file behind. The name says
+who wrote it (`_tmp`), so that the next writer of the folder can tell a dead writer's file from
+a live one's at once (`_writer_gone`), instead of only by its age.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import shutil
 import time
@@ -51,6 +56,73 @@ def _fsync_dir(path: str) -> None:
 
 def _is_tmp(name: str) -> bool:
     return name.startswith(".") and TMP_MARKER in name
+
+
+def _final_name(tmp: str) -> str:
+    """The file name a temporary file ``.NAME.tmp-...`` was to get: NAME."""
+    return tmp[1:tmp.rindex(TMP_MARKER)]
+
+
+@functools.cache
+def _boot_id() -> str:
+    """This boot of this machine ("" where /proc does not say)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip().replace("-", "")[:16]
+    except OSError:
+        return ""
+    return boot if boot.isalnum() else ""
+
+
+def _machine() -> str:
+    """This boot of this machine and this process's pid namespace ("" where there is no
+    /proc to say): the scope in which a pid names one process. The boot id tells machines
+    (and boots) apart where a shared filesystem joins them, host names need not; the pid
+    namespace tells apart containers of one machine (they share its boot id), whose pids
+    overlap. Namespaces alive at once have distinct inode numbers. Looked up at each call
+    (one stat), never cached: a process may move to another pid namespace."""
+    boot = _boot_id()
+    try:
+        pidns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return ""
+    return f"{boot}n{pidns}" if boot else ""
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` of this pid namespace may still write (a zombie cannot)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")  # killed, not reaped yet: it writes nothing any more
+
+
+def _writer_gone(tmp: str) -> bool:
+    """True when the temporary file ``tmp`` (a name) was written by a process that no longer
+    exists, so that no one can finish it: its name gives the writer's pid and scope (`_tmp`),
+    the scope is this machine's boot and pid namespace, and no process of that pid lives
+    here, or it is a zombie.
+
+    Why this never takes a live writer's file: a writer only writes temporary files named
+    with its own pid and scope, and within one scope a pid names one process at a time. A
+    writer of another machine, boot or container (another scope), or one whose name carries
+    no owner (older versions), is never judged gone: its file is left to the age limit. A pid
+    reused by a new process makes a dead writer look alive, never the reverse: its file, too,
+    waits for the age limit.
+    """
+    owner = tmp.rpartition(TMP_MARKER)[2].split(".")
+    if len(owner) != 3 or not owner[1].isdigit() or int(owner[1]) <= 0:
+        return False
+    machine = _machine()
+    return bool(machine) and owner[2] == machine and not _alive(int(owner[1]))
 
 
 def _link_new(tmp: str, path: str) -> None:
@@ -142,10 +214,15 @@ class FileStore(CheckpointStore):
                 _fsync_dir(os.path.dirname(d))
 
     def _tmp(self, key: str) -> tuple[str, str, str]:
-        """(final path, its folder, a fresh temporary path beside it)."""
+        """(final path, its folder, a fresh temporary path beside it). The temporary name is
+        ``.NAME.tmp-RANDOM.PID.MACHINE`` (`_machine`; only ``.NAME.tmp-RANDOM`` where that
+        is unknown): who writes it, for `_writer_gone`."""
         path = self._path(key)
         folder, name = os.path.split(path)
-        return path, folder, os.path.join(folder, f".{name}{TMP_MARKER}{uuid.uuid4().hex[:12]}")
+        machine = _machine()
+        owner = f".{os.getpid()}.{machine}" if machine else ""
+        return path, folder, os.path.join(
+            folder, f".{name}{TMP_MARKER}{uuid.uuid4().hex[:12]}{owner}")
 
     def _write(self, key: str, fill, publish) -> None:  # type: ignore[no-untyped-def]
         """Write through a temporary file: ``fill(file)`` writes it, ``publish(tmp, path)``
@@ -188,17 +265,27 @@ class FileStore(CheckpointStore):
         with source:
             self._write(dst, lambda f: shutil.copyfileobj(source, f, 8 << 20), os.replace)
 
-    def _abort_stale_uploads(self, older_than: float, dry_run: bool) -> int:
-        """Temporary files of writers killed mid-write, older than ``older_than`` seconds."""
+    def _abort_stale_uploads(self, older_than: float, dry_run: bool, prefix: str = "",
+                             writer_gone: bool = False) -> int:
+        """Temporary files of writers killed mid-write, for keys starting with ``prefix``:
+        any last written more than ``older_than`` seconds ago (0: all) and, with
+        ``writer_gone``, those of a writer known to be gone (`_writer_gone`). Folders are
+        left in place, even emptied: a writer may have just created one for its own file."""
         cutoff = time.time() - older_than
+        head, _, _ = prefix.rpartition("/")
         found = 0
-        for folder, _, names in os.walk(self.root):
+        for folder, _, names in os.walk(self._path(head) if head else self.root):
+            rel = os.path.relpath(folder, self.root).replace(os.sep, "/")
             for name in names:
                 if not _is_tmp(name):
                     continue
+                key = _final_name(name) if rel == "." else f"{rel}/{_final_name(name)}"
+                if not key.startswith(prefix):
+                    continue
                 path = os.path.join(folder, name)
                 try:
-                    if older_than > 0 and os.lstat(path).st_mtime > cutoff:
+                    if (older_than > 0 and os.lstat(path).st_mtime > cutoff
+                            and not (writer_gone and _writer_gone(name))):
                         continue
                     if not dry_run:
                         os.unlink(path)

@@ -503,17 +503,19 @@ class S3Store(CheckpointStore):
             functools.partial(part, upload_id, n, a, b)
             for n, (a, b) in enumerate(spans, start=1)])
 
-    def _abort_stale_uploads(self, older_than: float, dry_run: bool) -> int:
-        """Multipart uploads below the prefix started more than ``older_than`` seconds ago by
-        the server's clock (its ``Date`` header), so a skewed local clock cannot make a
-        running upload look stale."""
-        prefix = self._key("")
+    def _abort_stale_uploads(self, older_than: float, dry_run: bool, prefix: str = "",
+                             writer_gone: bool = False) -> int:
+        """Multipart uploads below the prefix (and of keys starting with ``prefix``) started
+        more than ``older_than`` seconds ago by the server's clock (its ``Date`` header), so
+        a skewed local clock cannot make a running upload look stale. Who started one is not
+        known, so ``writer_gone`` changes nothing: only the age counts."""
+        root = self._key("")
         with self._pool_lock:
             mine = set(self._inflight)
         found = 0
         paginator = self.client.get_paginator("list_multipart_uploads")
         try:
-            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=root + prefix):
                 now = _server_time(page)
                 for up in page.get("Uploads", []) or []:
                     started = up.get("Initiated")
@@ -523,7 +525,7 @@ class S3Store(CheckpointStore):
                         started = started.replace(tzinfo=datetime.timezone.utc)
                     if older_than > 0 and (now - started).total_seconds() < older_than:
                         continue
-                    key = str(up["Key"])[len(prefix):]
+                    key = str(up["Key"])[len(root):]
                     if dry_run or self._abort(str(up["UploadId"]), key, str(up["Key"])):
                         found += 1
         except (self._bexc.BotoCoreError, self._bexc.ClientError) as e:
