@@ -29,6 +29,7 @@ import warnings
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -39,7 +40,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hvd_resilient.cli_errors import exit_on_error  # noqa: E402
 from hvd_resilient.config import TrainConfig  # noqa: E402
 from hvd_resilient.errors import ConfigError  # noqa: E402
-from hvd_resilient.launcher_env import launcher_rank  # noqa: E402
+from hvd_resilient.launcher_env import launcher_rank, launcher_size  # noqa: E402
+
+if TYPE_CHECKING:
+    from hvd_resilient.training.trainer import Trainer
 
 VOCAB = 256
 HELD_OUT = 0.02  # 2% of the windows, never trained on: the held-out loss
@@ -98,7 +102,9 @@ def unigram_nats(data: bytes) -> float:
 
 def prepare_shards(url: str, train: list[bytes], per_shard: int) -> None:
     """Launcher rank 0 writes the shards (put_new: a rerun with the same text agrees with
-    what is there); the others wait for the index, bounded."""
+    what is there), or the process itself when no launcher started it; the others wait for
+    the index, bounded. A worker the launcher started without a rank (an in-place standby
+    not taken in yet: no rank, but a world size) is one of the others."""
     from hvd_resilient.data.errors import DataError
     from hvd_resilient.data.shards import read_index, write_shards
 
@@ -110,7 +116,8 @@ def prepare_shards(url: str, train: list[bytes], per_shard: int) -> None:
                           f"{len(train)}; use another --data-url")
     except DataError:
         pass
-    if (launcher_rank() or 0) == 0:
+    rank = launcher_rank()
+    if rank == 0 or (rank is None and launcher_size() is None):
         t0 = time.time()
         write_shards(({"__key__": f"{i:08d}", "bin": w} for i, w in enumerate(train)), url,
                      samples_per_shard=per_shard)
@@ -188,6 +195,42 @@ def held_out_loss(model: nn.Module, held: list[bytes], batch: int = 64) -> float
     return total / max(n, 1)
 
 
+class EndWhenAllowed:
+    """`--end-file`: the job ends only once a file exists, so that whoever watches it (the
+    demo, playing its script of faults and host changes) decides when it may end, not a step
+    budget that a faster machine uses up before the script has played.
+
+    The trainer stops at `config.max_steps`, read before every step; this takes that budget
+    over (no limit, and no last epoch, until the end is allowed) and, from the old budget on,
+    every `commit_every` steps asks all ranks whether the file exists, ending at the step of
+    the first yes. Ranks that decide alone would end at different steps (a file appears
+    between two ranks' looks) and leave the others in a collective with a dead peer, so the
+    answer is a collective (`any_rank`): every rank gets the same one at the same step. The
+    steps that ask are fixed by the step count, which the ranks share (a newcomer receives it
+    with the state), never by a rank's own clock, so a rank that joined late asks at the same
+    steps, and a rank rolled back to a commit asks again on the way. A timeout bounds the
+    hold: with nobody left to write the file (its writer killed), the job still ends.
+    """
+
+    def __init__(self, trainer: Trainer, path: str, timeout_s: float) -> None:
+        cfg = trainer.config
+        self.trainer, self.path, self.timeout_s = trainer, path, timeout_s
+        self.least = cfg.max_steps
+        self.held_since: float | None = None
+        cfg.max_steps, cfg.epochs = 0, sys.maxsize  # open-ended until the end is allowed
+
+    def __call__(self, state: Any, loss: float) -> None:
+        cfg = self.trainer.config
+        if state.step < self.least or state.step % cfg.commit_every:
+            return
+        if self.held_since is None:
+            self.held_since = time.monotonic()
+        allowed = (os.path.exists(self.path)
+                   or time.monotonic() - self.held_since > self.timeout_s)
+        if self.trainer.backend.any_rank(allowed):
+            cfg.max_steps = state.step  # every rank ends after this step, at the same one
+
+
 @exit_on_error
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -201,6 +244,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--end-file", default="",
+                        help="end only once this file exists: --max-steps is then the least "
+                             "the job trains (and --epochs does not end it); `hvd-resilient "
+                             "demo` writes it when its script has played")
+    parser.add_argument("--end-file-timeout", type=float, default=600.0,
+                        help="with --end-file: end anyway this many seconds after reaching "
+                             "--max-steps (a job whose writer died does not train forever)")
     args = parser.parse_args(argv)
     # Clipping as LM recipes do; bf16 autocast only on a GPU: on this project's CPUs (no
     # bf16 instructions) it made the same 80 steps 5.1x slower (118.9 s against 23.3 s, same
@@ -233,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     model = GPT(args.block, dim=args.dim, layers=args.layers)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01,
                                   betas=(0.9, 0.95))
-    warmup, total = 30, max(cfg.max_steps, 1)
+    warmup, total = 30, max(cfg.max_steps, 1)  # with --end-file, the least it trains
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * max(
             0.1, 0.5 * (1 + math.cos(math.pi * min(s / total, 1.0)))))
@@ -241,7 +291,10 @@ def main(argv: list[str] | None = None) -> int:
     # groups (so the schedule applies), but the scheduler counts calls of this object's step.
     warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
     t0 = time.time()
-    result = Trainer(model, optimizer, lm_loss, dataset, cfg, scheduler=scheduler).fit()
+    trainer = Trainer(model, optimizer, lm_loss, dataset, cfg, scheduler=scheduler)
+    if args.end_file:
+        trainer.on_step = EndWhenAllowed(trainer, args.end_file, args.end_file_timeout)
+    result = trainer.fit()
     seconds = time.time() - t0
     if result.rank == 0:
         baseline = unigram_nats(b"".join(train))

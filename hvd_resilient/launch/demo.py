@@ -13,8 +13,18 @@ runs, watching the event log:
    pool (the imports done; --no-warm-pool: it imports while the others train on); the world
    grows at the first commit after it is ready;
 3. it is removed again: the world shrinks at the next step, nothing lost;
-4. the job ends at --max-steps; `hvd-resilient report` prints recovery times, steps lost and
-   goodput, and writes the plot.
+4. once some steps are trained at that size, the job may end: `hvd-resilient report` prints
+   recovery times, steps lost and goodput, and writes the plot.
+
+The script is paced by the event log, never by a step count: each act waits for the events of
+the one before, and the job cannot end before the last act has been seen. Its step budget
+(--max-steps) used to be its end; a quiet machine trained it through while the killed slot
+cooled down and the story stopped half-told. Now the job is started with `--end-file`
+(examples/gpt.py): --max-steps is the least it trains, and it ends at its first commit step
+from there on after the demo has written that file, which it does when its script has played
+(or stopped). Where the script takes fewer steps than the budget (a busy machine) the job ends
+at the budget as before; where it takes more, only as long as the acts take (a few seconds
+past the budget): about the same total time, the whole story on any machine.
 
 --interactive skips the script: the job runs with the printed hosts file, edit it yourself.
 """
@@ -25,6 +35,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -37,6 +48,8 @@ from hvd_resilient.launch.horovod.command import ElasticLaunch, horovodrun_comma
 
 REPO = Path(__file__).resolve().parents[2]  # hvd_resilient/launch/demo.py -> the checkout
 KILL_STEP = 60
+FINAL_STEPS = 20
+"""Steps trained at the final world size before the job may end (the report shows them)."""
 
 
 def _say(text: str) -> None:
@@ -104,15 +117,17 @@ def _set_hosts(hosts: Path, text: str) -> None:
     os.replace(tmp, hosts)
 
 
-def _script(tail: EventTail, job: subprocess.Popen[bytes], hosts: Path, np: int) -> None:
-    """Kill, add, remove, narrating what the event log shows."""
+def _script(tail: EventTail, job: subprocess.Popen[bytes], hosts: Path, np: int) -> bool:
+    """Kill, add, remove, narrating what the event log shows; True once all of it was seen
+    and FINAL_STEPS trained at the final size, False where an act never came (the job's end
+    is allowed either way, by the caller)."""
     if not _wait(tail, job, "the first commit", lambda: tail.size() > 0, 600):
-        return
+        return False
     _say(f"training: world size {tail.size()}, one rank per slot")
     _say(f"a worker will be killed with SIGKILL at step {KILL_STEP}")
     if not _wait(tail, job, "the kill", lambda: any(
             e["event"] == "restore" for e in tail.events), 600):
-        return
+        return False
     restore = next(e for e in tail.events if e["event"] == "restore")
     fired = [float(f.read_text()) for f in tail.path.parent.glob(".fault-*")]
     took = f" {restore['ts'] - min(fired):.2f} s after the kill" if fired else ""
@@ -122,30 +137,43 @@ def _script(tail: EventTail, job: subprocess.Popen[bytes], hosts: Path, np: int)
          f"step {restore['to_step']}, {restore['lost_steps']} steps to redo")
     if not _wait(tail, job, "training at the smaller size",
                  lambda: 0 < tail.size() < np, 120):
-        return
+        return False
     _say(f"world size {tail.size()}; the killed slot returns after its cooldown")
     if not _wait(tail, job, "the slot's return", lambda: tail.size() >= np, 180):
-        return
+        return False
     _say(f"world size {tail.size()} again at step {tail.step()}")
     t0 = time.time()  # the event log's clock
     _set_hosts(hosts, f"localhost:{np + 1}")
     _say(f"added a host: {hosts.name} now says localhost:{np + 1}")
     if not _wait(tail, job, "the added host", lambda: tail.size() == np + 1, 180):
-        return
+        return False
     _say(f"world size {tail.size()}: training at it {_after(tail, t0, 'sync', np + 1)} after "
          f"the file changed (its first commit at step {tail.step()})")
     _say_growth(tail, np + 1)
     grown = tail.step()
     if not _wait(tail, job, "some steps at the new size",
                  lambda: tail.step() >= grown + 30, 180):
-        return
+        return False
     t0 = time.time()
     _set_hosts(hosts, f"localhost:{np}")
     _say(f"removed it again: {hosts.name} says localhost:{np}")
     if not _wait(tail, job, "the removal", lambda: tail.size() == np, 180):
-        return
+        return False
+    shrunk = tail.step()
     _say(f"world size {tail.size()}: training at it {_after(tail, t0, 'reset', np)} after the "
-         f"file changed (its first commit at step {tail.step()}); training to the end")
+         f"file changed (its first commit at step {shrunk})")
+    return _wait(tail, job, "some steps at the final size",
+                 lambda: tail.step() >= shrunk + FINAL_STEPS, 180)
+
+
+def _stop(job: subprocess.Popen[bytes]) -> int:
+    """Terminates the job (horovodrun stops its workers), killing it if that takes too long."""
+    job.terminate()
+    try:
+        return job.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        return job.wait(timeout=10)
 
 
 def _after(tail: EventTail, t0: float, event: str, size: int) -> str:
@@ -176,13 +204,18 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="hvd-resilient demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--run-dir", default="",
                    help="default: runs/demo-<time> (a fresh folder: a used one would resume)")
-    p.add_argument("--max-steps", type=int, default=450)
+    p.add_argument("--max-steps", type=int, default=450,
+                   help="the least the job trains; it ends once the script has played too "
+                        "(--interactive: at this step)")
     p.add_argument("--np", type=int, default=2, help="workers at start (one per slot)")
     p.add_argument("--interactive", action="store_true",
                    help="no script: edit the hosts file yourself while it trains")
     p.add_argument("--dry-run", action="store_true", help="print the command and exit")
     p.add_argument("--no-warm-pool", action="store_true",
                    help="workers import for themselves (the cold start a warm pool hides)")
+    p.add_argument("--job-args", default="",
+                   help="more arguments for examples/gpt.py, after the demo's own (a later flag "
+                        "wins), e.g. --job-args='--dim 16 --batch-size 4'")
     a = p.parse_args(argv)
     example = REPO / "examples" / "gpt.py"
     hostfile_script = REPO / "discovery" / "hostfile"
@@ -192,6 +225,7 @@ def main(argv: list[str]) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     hosts = run_dir / "hosts.txt"
     _set_hosts(hosts, f"localhost:{a.np}")
+    end_file = run_dir / "end-allowed"  # written when the script has played: the job may end
     discover = run_dir / "discover.sh"
     discover.write_text(
         f"#!/bin/sh\nexec {shlex.quote(sys.executable)} {shlex.quote(str(hostfile_script))} "
@@ -207,6 +241,7 @@ def main(argv: list[str]) -> int:
         "--log-every", "20", "--corpus-mb", "1", "--dim", "64", "--layers", "2",
         "--block", "64", "--batch-size", "16", "--data-num-workers", "1",
         "--shard-windows", "500",
+        *([] if a.interactive else ["--end-file", str(end_file)]), *shlex.split(a.job_args),
     ])
     # as --discovery-watch: the script runs as soon as the hosts file changes, not at the poll
     env = dict(os.environ, HVD_RESILIENT_DISCOVERY_WATCH=str(hosts))
@@ -225,13 +260,28 @@ def main(argv: list[str]) -> int:
         job = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                stdin=subprocess.DEVNULL, start_new_session=True)
     tail = EventTail(run_dir / "events.jsonl")
+    # SIGTERM ends the demo as Ctrl-C does, the job with it: the job runs in a session of its
+    # own, where neither signal reaches it but through the demo (and its end waits for a file).
+    sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         if not a.interactive:
-            _script(tail, job, hosts, a.np)
+            try:
+                played = _script(tail, job, hosts, a.np)
+            finally:  # the job trains on until this file exists; never leave it waiting
+                end_file.touch()
+            if job.poll() is None:
+                tail.poll()
+                end = ("its next commit" if tail.step() >= a.max_steps
+                       else f"its first commit from step {a.max_steps} (--max-steps) on")
+                _say(f"{'the script has played' if played else 'the script stopped early'}: "
+                     f"the job may end, and ends at {end}")
         rc = job.wait()
     except KeyboardInterrupt:
-        job.terminate()
-        rc = job.wait(timeout=60)
+        rc = _stop(job)
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+        if job.poll() is None:  # an error of the demo itself: the job does not outlive it
+            _stop(job)
     tail.poll()
     _say(f"job finished with exit code {rc} after {time.monotonic() - t_start:.0f} s")
     result = run_dir / "result.json"

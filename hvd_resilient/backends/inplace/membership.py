@@ -29,20 +29,22 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from hvd_resilient.backends import INPLACE_AGENT_ENV
+from hvd_resilient.launcher_env import INPLACE_MEMBER_ENV
 
 logger = logging.getLogger(__name__)
 
 PREFIX = "hvd_resilient/inplace/"
 AGENT_ENV = INPLACE_AGENT_ENV
 """``host:port`` of the agent's store; set by the agent for every worker it starts."""
-MEMBER_ENV = "HVD_RESILIENT_MEMBER"
+MEMBER_ENV = INPLACE_MEMBER_ENV
+"""The worker's member id; set by the agent for every worker it starts."""
 POLL_S = 0.005
 FORM_TIMEOUT_S = 30.0
 """How long a generation's group may take to form once every member is at its door (then
@@ -90,15 +92,32 @@ def is_busy(store: Any, member: int) -> bool:
         return False
 
 
-def agent_address(env: dict[str, str]) -> tuple[str, int]:
+def agent_address(env: Mapping[str, str]) -> tuple[str, int]:
     host, _, port = env[AGENT_ENV].rpartition(":")
     return host, int(port)
 
 
-def agent_store(env: dict[str, str], timeout_s: float) -> dist.TCPStore:
+def agent_store(env: Mapping[str, str], timeout_s: float) -> dist.TCPStore:
     """A connection to the agent's store (its keys are under `PREFIX`)."""
     return dist.TCPStore(*agent_address(env), is_master=False,
                          timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def newest_place(env: Mapping[str, str], timeout_s: float) -> tuple[int | None, int]:
+    """(rank, size) of the worker ``env`` describes (its `MEMBER_ENV`) in the newest
+    generation: its position in the member list (None: not in it) and how many members it
+    has. Read from the agent's store, on a connection of its own, so it holds before this
+    worker's backend is up; waits up to ``timeout_s`` for the store and for generation 0 (the
+    agent publishes it just after starting the workers).
+
+    Raises:
+        RuntimeError: the agent's store did not answer in time (torch's DistStoreError).
+        KeyError, ValueError: ``env`` names no agent or member.
+    """
+    me = int(env[MEMBER_ENV])
+    store = dist.PrefixStore(PREFIX, agent_store(env, timeout_s))
+    members = json.loads(store.get(gen_key(int(store.get("gen")))))
+    return (members.index(me) if me in members else None), len(members)
 
 
 def door_key(g: int, member: int) -> str:
