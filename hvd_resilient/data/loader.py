@@ -399,6 +399,10 @@ class _Plan:
     def __init__(self, sampler: Any, key: BatchKey, gen: int, counter: Iterator[int],
                  dataset: Any, readahead: int) -> None:
         self.sampler = sampler
+        if hasattr(sampler, "track_ids"):
+            # A copy that runs ahead and is never committed: hashing the ids it passes (the
+            # tally behind the `epoch_end` event) is the real sampler's work, not the plan's.
+            sampler.track_ids = False
         self.key = key
         self.gen = gen
         self.counter = counter

@@ -51,6 +51,8 @@ Definitions (times are event timestamps, so they share the writers' clocks):
   straggler's), joined with the `straggler_evicted` / `straggler_cleared` of the same process
   (host and pid). An eviction is also a failure when a reset followed it: that is counted
   above, like any other.
+* data: each `epoch_end` event's sample count and digest of sample ids against the data set's
+  (`data.py`); a mismatch is one of the report's `problems`.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from hvd_resilient.report import data
 from hvd_resilient.report.checkpoints import (
     Summary,
     YoungDaly,
@@ -152,6 +155,11 @@ class Report:
     step_times: dict[str, Any] | None = None
     """From rank 0's `step_times` events (one per straggler window): windows, judged, the
     highest ratio seen (and its rank and time), median compute and wait seconds per step."""
+    data_epochs: list[dict[str, Any]] = field(default_factory=list)
+    """Each distinct `epoch_end` record checked (`data.epochs_of`): epoch, samples,
+    expected_samples, exactly_once (True, False, or None when not checkable), text, times."""
+    problems: list[str] = field(default_factory=list)
+    """What the log proves went wrong with the data: samples missing or used twice."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -472,6 +480,7 @@ def analyze(raw: Iterable[Event], now: float | None = None,
         silent = now - t1
     ws = world_size_series(launches, t0)
     stragglers = stragglers_of(events, t0)
+    epochs = data.epochs_of(events)
     series: dict[str, list[Any]] = {
         "world_size": ws,
         "throughput": segments,
@@ -526,4 +535,5 @@ def analyze(raw: Iterable[Event], now: float | None = None,
         goodput_to_now=productive / (now - t0) if silent and now is not None else None,
         stragglers=stragglers, straggler_rule=straggler_rule(config),
         step_times=step_times_of(events, t0),
+        data_epochs=epochs, problems=data.problems(epochs),
     )

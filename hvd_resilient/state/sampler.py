@@ -8,10 +8,18 @@ each step takes the next `world_size * batch_size` samples, split as evenly as p
 the ranks alive *at that step*. A reset just broadcasts the two integers, and no sample of an
 epoch is skipped or repeated whatever the sizes were.
 
+Beside the position, both samplers keep a tally of the epoch in progress: how many ids `advance`
+has moved past and their order-independent digest (`ids_digest.py`). It is part of the state
+dict, so a commit, a reset's broadcast and a durable checkpoint carry it with the position, and
+after a restore it covers exactly what the restored position says was consumed. At the epoch's
+end the trainer writes it in an `epoch_end` event (`epoch_record`), next to what the data set
+expects, and `hvd-resilient report` checks that each id was used exactly once.
+
 Streamed shards need another split (`ElasticShardSampler`): a rank should read whole shards,
 not every shard's every W-th sample, or each rank downloads everything. Both samplers share one
-interface (`next_slice`, `advance`, `epoch_done`, `set_epoch`, `position`, `state_dict`), so the
-trainer, the state handlers and the loader (`hvd_resilient.data.loader`) treat them alike.
+interface (`next_slice`, `advance`, `epoch_done`, `set_epoch`, `position`, `state_dict`,
+`epoch_record`), so the trainer, the state handlers and the loader (`hvd_resilient.data.loader`)
+treat them alike.
 """
 
 from __future__ import annotations
@@ -20,7 +28,10 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
+
+from hvd_resilient.state.ids_digest import MASK, METHOD, digest_array, digest_range, to_hex
 
 
 @dataclass
@@ -31,7 +42,63 @@ class StepSlice:
     global_count: int
 
 
-class ElasticDataSampler:
+class _IdsTally:
+    """The consumed ids of the epoch in progress, as a count and a digest (`ids_digest`).
+
+    Both None: unknown for the rest of this epoch (the state was restored from a checkpoint
+    written before the tally existed, mid-epoch); the next epoch counts again. The loader's
+    planning copies of a sampler turn `track_ids` off: they run ahead and are never committed.
+    """
+
+    epoch: int
+    num_samples: int
+    track_ids = True
+    ids_count: int | None = 0
+    ids_digest: int | None = 0
+    _expected: tuple[int, int] | None = None
+
+    def _reset_ids(self) -> None:
+        self.ids_count, self.ids_digest = 0, 0
+
+    def _count_ids(self, ids: Any) -> None:
+        """Adds the ids (a list or a numpy array) the whole world consumed in one step."""
+        if not self.track_ids or self.ids_count is None or self.ids_digest is None:
+            return
+        self.ids_count += len(ids)
+        self.ids_digest = (self.ids_digest + digest_array(ids)) & MASK
+
+    def _ids_state(self) -> dict[str, int | None]:
+        return {"ids_count": self.ids_count, "ids_digest": self.ids_digest}
+
+    def _load_ids_state(self, sd: dict[str, Any], consumed: int) -> None:
+        count, digest = sd.get("ids_count"), sd.get("ids_digest")
+        if count is not None and digest is not None:
+            self.ids_count, self.ids_digest = int(count), int(digest)
+        elif consumed == 0:  # an older state at an epoch's start: nothing consumed yet
+            self._reset_ids()
+        else:
+            self.ids_count = self.ids_digest = None
+
+    def expected_ids(self) -> tuple[int, int]:
+        """(count, digest) of the ids a whole epoch consumes: every id 0 .. N-1 once (neither
+        sampler drops or pads). Computed once (about 10 ms per million samples)."""
+        if self._expected is None:
+            self._expected = (self.num_samples, digest_range(0, self.num_samples))
+        return self._expected
+
+    def epoch_record(self) -> dict[str, Any]:
+        """The fields of the `epoch_end` event for the epoch in progress (docs/data.md):
+        `epoch`, `samples` and `ids_digest` (what it consumed, all ranks together, across every
+        reset; None when unknown), `expected_samples` and `expected_ids_digest` (the data set),
+        `digest` (the method, `ids_digest.METHOD`). Digests are 16 hex digits."""
+        n, expected = self.expected_ids()
+        return {"epoch": self.epoch, "samples": self.ids_count,
+                "ids_digest": None if self.ids_digest is None else to_hex(self.ids_digest),
+                "expected_samples": n, "expected_ids_digest": to_hex(expected),
+                "digest": METHOD}
+
+
+class ElasticDataSampler(_IdsTally):
     """Deterministic, reshardable, exact-once sampler over `num_samples` items."""
 
     def __init__(self, num_samples: int, *, shuffle: bool = True, seed: int = 0) -> None:
@@ -42,14 +109,16 @@ class ElasticDataSampler:
         self.seed = seed
         self.epoch = 0
         self.consumed = 0
+        self._reset_ids()
         self._perm: list[int] | None = None
         self._perm_epoch = -1
 
     # -- state --------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "consumed": self.consumed, "num_samples": self.num_samples}
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "consumed": self.consumed, "num_samples": self.num_samples,
+                **self._ids_state()}
 
-    def load_state_dict(self, sd: dict[str, int]) -> None:
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
         if int(sd.get("num_samples", self.num_samples)) != self.num_samples:
             raise ValueError(
                 f"sampler state is for {sd['num_samples']} samples but the data set has "
@@ -57,10 +126,12 @@ class ElasticDataSampler:
             )
         self.epoch = int(sd["epoch"])
         self.consumed = int(sd["consumed"])
+        self._load_ids_state(sd, self.consumed)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
         self.consumed = 0
+        self._reset_ids()
 
     def position(self) -> Hashable:
         """Where the data order stands: equal on two samplers iff their next steps are equal
@@ -96,7 +167,10 @@ class ElasticDataSampler:
         return StepSlice(self.permutation()[start : start + n], count)
 
     def advance(self, global_count: int) -> None:
-        self.consumed = min(self.num_samples, self.consumed + global_count)
+        end = min(self.num_samples, self.consumed + global_count)
+        if self.track_ids:
+            self._count_ids(self.permutation()[self.consumed:end])
+        self.consumed = end
 
 
 @dataclass
@@ -110,7 +184,7 @@ class _ShardStep:
     after: dict[str, Any]
 
 
-class ElasticShardSampler:
+class ElasticShardSampler(_IdsTally):
     """Exact-once order over samples stored in shards, each rank reading whole shards.
 
     Each rank owns a *slot*: a cursor (shard, offset) into the shard it is reading. A step gives
@@ -142,7 +216,7 @@ class ElasticShardSampler:
             self.starts[i] = self.starts[i - 1] + sizes[i - 1]
         self.shuffle = shuffle
         self.seed = seed
-        self._perm_cache: dict[tuple[int, int], list[int]] = {}
+        self._perm_cache: dict[tuple[int, int], np.ndarray] = {}
         # ((position, world_size, batch_size), the step planned there)
         self._step_cache: tuple[tuple[Hashable, int, int], _ShardStep] | None = None
         self.set_epoch(0)
@@ -155,12 +229,14 @@ class ElasticShardSampler:
         self.slots: list[tuple[int, int] | None] = []
         self.parked: list[tuple[int, int]] = []
         self._order: list[int] | None = None
+        self._reset_ids()
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "consumed": self.consumed, "next_open": self.next_open,
                 "slots": [list(c) if c else None for c in self.slots],
                 "parked": [list(c) for c in self.parked],
-                "num_samples": self.num_samples, "num_shards": len(self.shard_sizes)}
+                "num_samples": self.num_samples, "num_shards": len(self.shard_sizes),
+                **self._ids_state()}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         if "slots" not in sd:
@@ -177,6 +253,7 @@ class ElasticShardSampler:
         self.next_open = int(sd["next_open"])
         self.slots = [(int(c[0]), int(c[1])) if c else None for c in sd["slots"]]
         self.parked = [(int(c[0]), int(c[1])) for c in sd["parked"]]
+        self._load_ids_state(sd, self.consumed)
 
     def position(self) -> Hashable:
         return (self.epoch, self.consumed, self.next_open, tuple(self.slots),
@@ -194,19 +271,23 @@ class ElasticShardSampler:
                 self._order = list(range(n))
         return self._order
 
-    def _in_shard(self, shard: int) -> list[int] | None:
-        """The order of samples inside `shard` this epoch (None: as stored)."""
+    def _in_shard(self, shard: int) -> np.ndarray | None:
+        """The order of samples inside `shard` this epoch (None: as stored), as int64.
+
+        Every rank tallies every rank's ids (`_step_ids`), so a step reads the orders of all
+        the slots' shards, not only its own: the cache keeps at least those (8 bytes a sample
+        of each shard being read)."""
         if not self.shuffle:
             return None
         key = (self.epoch, shard)
         perm = self._perm_cache.get(key)
         if perm is None:
-            if len(self._perm_cache) > 64:
+            if len(self._perm_cache) > max(64, 4 * (len(self.slots) + len(self.parked))):
                 self._perm_cache.clear()
             g = torch.Generator()
             g.manual_seed((self.seed * 1_000_003 + self.epoch) * 65_537 + shard)
             perm = self._perm_cache[key] = torch.randperm(self.shard_sizes[shard],
-                                                          generator=g).tolist()
+                                                          generator=g).numpy()
         return perm
 
     def remaining(self) -> int:
@@ -266,7 +347,8 @@ class ElasticShardSampler:
         for shard, a, b in step.segments[rank]:
             perm = self._in_shard(shard)
             base = self.starts[shard]
-            ids.extend(base + (perm[o] if perm is not None else o) for o in range(a, b))
+            ids.extend((perm[a:b] + base).tolist() if perm is not None
+                       else range(base + a, base + b))
         return StepSlice(ids, step.global_count)
 
     def advance(self, global_count: int) -> None:
@@ -277,6 +359,18 @@ class ElasticShardSampler:
         if global_count != step.global_count:
             raise ValueError(f"advance({global_count}) but the planned step takes "
                              f"{step.global_count} samples")
+        if self.track_ids:
+            self._count_ids(self._step_ids(step))
         a = step.after
         self.consumed, self.next_open = a["consumed"], a["next_open"]
         self.slots, self.parked = list(a["slots"]), list(a["parked"])
+
+    def _step_ids(self, step: _ShardStep) -> Any:
+        """Every id the step gives any rank, as one numpy array (for the tally)."""
+        parts = []
+        for segments in step.segments:
+            for shard, a, b in segments:
+                perm = self._in_shard(shard)
+                local = perm[a:b] if perm is not None else np.arange(a, b, dtype=np.int64)
+                parts.append(local + self.starts[shard])
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)

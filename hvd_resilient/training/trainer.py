@@ -119,7 +119,8 @@ class Trainer:
         log.setup(rank_fn=backend.rank, level=cfg.observability.log_level)
         snapshot_pool().enabled = snapshot_pool().enabled and cfg.checkpoint.snapshot_reuse
         share_cores(backend.local_size())
-        events = EventLog(f"{cfg.run_dir}/events.jsonl", rank=backend.rank, size=backend.size)
+        events = EventLog(f"{cfg.run_dir}/events.jsonl", rank=backend.rank, size=backend.size,
+                          lease_epoch=cfg.checkpoint.lease_epoch)
         model, optimizer = backend.wrap(self.model, self.optimizer,
                                         accumulation=cfg.recipe.grad_accum)
         self._wrapped = model
@@ -231,6 +232,7 @@ class Trainer:
         t_log, steps_since_log = time.time(), 0
         while not self._finished(state):
             if sampler.epoch_done():
+                self._epoch_end(state)
                 sampler.set_epoch(sampler.epoch + 1)
                 state.commit()
                 if cfg.checkpoint.every == 0 or self._finished(state):
@@ -265,6 +267,18 @@ class Trainer:
                 state.commit()
             if durable.due():
                 durable.save()
+        if sampler.epoch_done():  # max_steps reached at an epoch's last step
+            self._epoch_end(state)
+
+    def _epoch_end(self, state: Any) -> None:
+        """Rank 0 records what the epoch consumed, all ranks and every reset together, beside
+        what the data set expects (`epoch_end`; `hvd-resilient report` checks it). Every rank
+        holds the same tally (it is committed and synced with the sampler), so one writes it.
+        A rollback past this point makes the epoch end again: a second event, equal to this
+        one when nothing is wrong."""
+        record = getattr(state.sampler, "epoch_record", None)
+        if record is not None and self.backend.rank() == 0:
+            state.events.emit("epoch_end", **record())
 
     def _micro_batches(self, sampler: Any, rank: int, size: int) -> list[LoadedBatch]:
         """The step's micro-batches, each advancing the sampler (so the loader plans the next

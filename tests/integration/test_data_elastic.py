@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hvd_resilient.data.shards import write_shards
-from tests.support.exactly_once import assert_exactly_once
+from tests.support.exactly_once import assert_epoch_ends, assert_exactly_once
 from tests.support.jobs import (
     PYTHON,
     events,
@@ -153,3 +153,5 @@ def test_full_restart_resumes_the_data_order_from_the_checkpoint(kind, api, tmp_
     resumes = [e for e in events(run / "events.jsonl") if e["event"] == "resume"]
     assert len(resumes) == 1 and resumes[0]["from_step"] >= 60, resumes
     assert_consistent(run)
+    if api == "trainer":  # the tally of consumed ids came back with the sampler's position
+        assert_epoch_ends(run, N, 3)

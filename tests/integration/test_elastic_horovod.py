@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.support.exactly_once import assert_exactly_once
+from tests.support.exactly_once import assert_epoch_ends, assert_exactly_once
 from tests.support.jobs import (
     PYTHON,
     events,
@@ -27,6 +27,7 @@ from tests.support.runs import assert_faults_fired, commits, final_digests, size
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 JOB = str(SCRIPTS / "elastic_job.py")
 DIGITS = str(ROOT / "examples" / "digits.py")
+DIGITS_TRAIN = 1797 - 360  # examples/digits.py: scikit-learn's digits less its test split
 # The Gloo timeout also bounds how long survivors wait for a re-added worker to start (Python +
 # torch imports), and Horovod aborts them when that wait runs out (seen at 5 s, and at 15 s on
 # this 2-core machine at load 8). Failures are detected by hang-up, not by this timeout, so a
@@ -307,8 +308,16 @@ def test_trainer_accuracy_after_elastic_failure_matches_fixed_run(tmp_path, jobs
     assert job.wait(300) == 0, job.output()[-3000:]
     evs = events(elastic / "events.jsonl")
     assert_faults_fired(elastic, 1)
-    assert any(e["event"] == "restore" for e in evs), "no failure happened"
+    restores = [e for e in evs if e["event"] == "restore"]
+    assert restores, "no failure happened"
     assert len(set(final_digests(elastic).values())) == 1
+    # Exactly-once data, from the run's own events: every epoch's count and digest of sample
+    # ids is the training set's (1437 digits), the epoch the kill fell in included. It fell
+    # mid-epoch: one epoch ended before the first restore and the next one only after it.
+    assert_epoch_ends(fixed, DIGITS_TRAIN, 12)
+    ends = assert_epoch_ends(elastic, DIGITS_TRAIN, 12)
+    before = max(e["epoch"] for e in ends if e["ts"] < restores[0]["ts"])
+    assert min(e["epoch"] for e in ends if e["ts"] > restores[-1]["ts"]) == before + 1, ends
     acc_fixed = json.loads((fixed / "result.json").read_text())["accuracy"]
     acc_elastic = json.loads((elastic / "result.json").read_text())["accuracy"]
     assert acc_fixed > 0.9 and acc_elastic > 0.9, (acc_fixed, acc_elastic)

@@ -1,4 +1,5 @@
-"""The samples.jsonl history of tests/scripts/elastic_job.py, and its exactly-once check."""
+"""The samples.jsonl history of tests/scripts/elastic_job.py, and its exactly-once check; the
+`epoch_end` events the trainer writes, checked against the data set."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from hvd_resilient.report.analysis import analyze
+from hvd_resilient.state.ids_digest import digest, to_hex
 from tests.support.jobs import events
 
 
@@ -66,3 +69,22 @@ def assert_exactly_once(run: Path, n_samples: int) -> int:
     last = per_epoch[max(per_epoch)]
     assert len(last) == len(set(last)), "the running epoch repeated a sample"
     return len(complete)
+
+
+def assert_epoch_ends(run: Path, n_samples: int, epochs: int) -> list[dict]:
+    """Every epoch 0 .. epochs-1 ended with rank 0's `epoch_end` event whose count and digest of
+    the consumed ids are the data set's (each id 0 .. n-1 once; the digest worked out here in
+    plain Python, not taken from the event), and `hvd-resilient report` finds no problem. An
+    epoch may end twice (a rollback or a restart past its end): each event must hold."""
+    expected = to_hex(digest(range(n_samples)))
+    evs = events(run / "events.jsonl")
+    ends = [e for e in evs if e["event"] == "epoch_end"]
+    assert sorted({e["epoch"] for e in ends}) == list(range(epochs)), ends
+    for e in ends:
+        assert e["rank"] == 0, e
+        assert (e["samples"], e["ids_digest"]) == (n_samples, expected), e
+        assert (e["expected_samples"], e["expected_ids_digest"]) == (n_samples, expected), e
+    report = analyze(evs)
+    assert not report.problems, report.problems
+    assert [x["exactly_once"] for x in report.data_epochs] == [True] * epochs, report.data_epochs
+    return ends
