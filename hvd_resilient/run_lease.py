@@ -71,6 +71,12 @@ class LeaseRecord:
             return _start_time(int(pid)) == start
         return True
 
+    def holder_gone_from(self, host: str) -> bool:
+        """Whether the holder ran on `host` and its process is gone (pid and start time)."""
+        h, _, rest = self.holder.partition(":")
+        pid, _, start = rest.partition(":")
+        return h == host and pid.isdigit() and _start_time(int(pid)) != start
+
     def describe(self, now: float) -> str:
         host, _, rest = self.holder.partition(":")
         return (f"epoch {self.epoch}, supervisor pid {rest.partition(':')[0]} on {host}, "

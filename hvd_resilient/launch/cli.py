@@ -343,8 +343,10 @@ def fresh_start(url: str) -> str:
 def take_run(opts: dict[str, Any], token: str) -> RunLease:
     """Takes the run's lease (`run_lease.py`) and raises the checkpoint store's fence to its
     epoch: from here on, a job that held the run before can publish no checkpoint. A live
-    holder is waited for (--lease-wait) or displaced (--take-over); one left behind on this
-    machine by a dead supervisor is ended first, should its guard have missed anything."""
+    holder is waited for (--lease-wait) or displaced (--take-over). What a dead supervisor of
+    this machine left running is ended here, should its guard have missed anything; a live
+    holder (frozen, or on another host) is left to stop itself: its supervisor ends its job when
+    it finds the run taken, and its workers when their next checkpoint is refused."""
     from hvd_resilient.checkpoint.fence import raise_fence
     from hvd_resilient.checkpoint.stores import StoreError, open_store
 
@@ -367,7 +369,7 @@ def take_run(opts: dict[str, Any], token: str) -> RunLease:
         lease.release()
         raise LaunchError(f"checkpoint store {mask_url(opts['checkpoint'])}: cannot set the "
                           f"run's fence: {e}") from None
-    if old is not None and old.token and old.holder.split(":")[0] == socket.gethostname():
+    if old is not None and old.token and old.holder_gone_from(socket.gethostname()):
         end_job(old.token)
     return lease
 

@@ -38,6 +38,13 @@ def _job_processes(token: str) -> list[psutil.Process]:
     return out
 
 
+def _ended(p: psutil.Process) -> bool:
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def _token_of(supervisor_pid: int) -> str:
     """The job's token, read off a child of the supervisor (the supervisor never has it)."""
     for child in psutil.Process(supervisor_pid).children(recursive=True):
@@ -89,3 +96,84 @@ def test_sigkill_of_run_ends_every_process_of_the_job(launcher, tmp_path, jobs):
     assert (log.stat().st_size, sorted(p.name for p in (tmp_path / "ckpt").glob("*"))) \
         == snapshot
     assert not [e for e in events(log) if e["event"] == "done"]
+
+
+TRAINING = ("commit", "memory_commit", "checkpoint_saved", "checkpoint_fenced", "epoch_end",
+            "done")
+"""Events only a training rank writes: which lease epoch trained when."""
+
+
+def _inplace_cmd(tmp_path: Path, epochs: int) -> list[str]:
+    return [HVD, "run", "--launcher", "inplace", "--np", "2", "--run-id", "k", "--run-dir",
+            str(tmp_path / "run"), "--checkpoint", f"file://{tmp_path}/ckpt", "--", PYTHON,
+            DIGITS, "--epochs", str(epochs), "--commit-every", "5", "--checkpoint-every", "10"]
+
+
+def _trained(log: Path, epoch: int) -> list[dict]:
+    return [e for e in events(log) if e["event"] in TRAINING and e["rank"] >= 0
+            and e.get("lease_epoch") == epoch]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_relaunch_right_after_a_sigkill_of_run_never_trains_beside_the_old_job(tmp_path, jobs):
+    """The relaunch takes the run with the next lease epoch; the old epoch's last training
+    event comes before the new one's first, and the run ends with every rank equal."""
+    log = tmp_path / "run" / "events.jsonl"
+    old = jobs.start(_inplace_cmd(tmp_path, 40), name="old")
+    wait_for(lambda: any(e["event"] == "checkpoint_saved" for e in _trained(log, 1)), 120,
+             "the first job checkpointing", old)
+    old.proc.send_signal(signal.SIGKILL)
+    old.proc.wait(10)
+    new = jobs.start(_inplace_cmd(tmp_path, 40), name="new")
+    assert new.wait(180) == 0, new.output()[-3000:]
+    first, second = _trained(log, 1), _trained(log, 2)
+    assert first and second
+    assert max(e["ts"] for e in first) < min(e["ts"] for e in second), "two jobs trained at once"
+    done = [e for e in events(log) if e["event"] == "done"]
+    assert {e["lease_epoch"] for e in done} == {2} and len(done) == 2
+    assert len({e["params_sha256"] for e in done}) == 1
+    assert [e["lease_epoch"] for e in events(log) if e["event"] == "lease_taken"] == [1, 2]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_stopped_job_taken_over_is_refused_its_checkpoints_and_stops_itself(tmp_path, jobs):
+    """The old job's supervisor, the lease holder, is frozen (SIGSTOP: alive, holding the run)
+    while its workers train on. The relaunch waits for the lease to lapse, takes the run with
+    epoch 2 and raises the store's fence: the old workers' next checkpoint is refused and they
+    exit 78 by themselves. The old supervisor, resumed, finds the run taken, ends what is left
+    of its job and exits 78 with one line; the relaunch finishes with every rank equal."""
+    log = tmp_path / "run" / "events.jsonl"
+    old = jobs.start(_inplace_cmd(tmp_path, 1000), name="old")
+    wait_for(lambda: any(e["event"] == "checkpoint_saved" for e in _trained(log, 1)), 120,
+             "the first job checkpointing", old)
+    supervisor = psutil.Process(old.proc.pid)
+    workers = [p for p in supervisor.children(recursive=True)
+               if "digits.py" in " ".join(p.cmdline()) and p.ppid() != supervisor.pid]
+    assert len(workers) == 2, workers
+    supervisor.suspend()
+    try:
+        new = jobs.start(_inplace_cmd(tmp_path, 60), name="new")
+        # ended, as zombies: their parents wait for the frozen supervisor
+        wait_for(lambda: all(_ended(p) for p in workers), 120,
+                 "the old job's workers to stop themselves", new)
+        assert "is held by a live job" in new.output()
+        taken = [e["ts"] for e in events(log) if e["event"] == "lease_taken"
+                 and e["lease_epoch"] == 2]
+        fenced = [e for e in events(log) if e["event"] == "checkpoint_fenced"]
+        assert fenced and {e["lease_epoch"] for e in fenced} == {1} and taken
+        # the fence check and the manifest write are two steps: a publish that passed the check
+        # as the fence rose lands within milliseconds, never later
+        late = [e for e in _trained(log, 1) if e["event"] == "checkpoint_saved"
+                and e["ts"] > taken[0] + 0.5]
+        assert not late, f"the old job published after the takeover: {late}"
+    finally:
+        supervisor.resume()
+    assert old.wait(30) == 78, old.output()[-3000:]
+    assert "was taken over by epoch 2" in old.output()  # the workers' line, then the run's
+    assert "hvd-resilient run: stopped: run" in old.output()
+    assert new.wait(180) == 0, new.output()[-3000:]
+    done = [e for e in events(log) if e["event"] == "done"]
+    assert {e["lease_epoch"] for e in done} == {2}
+    assert len({e["params_sha256"] for e in done}) == 1
