@@ -22,6 +22,7 @@ import fcntl
 import json
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -173,3 +174,26 @@ class RunLease:
             if rec is not None and rec.epoch == self.epoch:
                 rec.released = True
                 self._write(rec)
+
+
+def watch_lease(run_dir: str | os.PathLike[str], epoch: int,
+                on_lost: Callable[[LeaseRecord], None], every_s: float = RENEW_S) -> None:
+    """A worker's side of the fence: a daemon thread that reads the run's lease every
+    `every_s` and calls `on_lost` (once) when a newer epoch holds it. The store's fence refuses
+    a displaced job's checkpoints; this stops the job itself within a second of the takeover,
+    whatever it was doing (training, memory-tier commits, waiting in a collective), even when
+    its own supervisor is frozen or gone. A missing or unreadable record is not a loss."""
+    path = Path(run_dir) / LEASE_FILE
+
+    def watch() -> None:
+        while True:
+            time.sleep(every_s)
+            try:
+                rec = LeaseRecord(**json.loads(path.read_text()))
+            except (OSError, ValueError, TypeError):
+                continue
+            if rec.epoch > epoch:
+                on_lost(rec)
+                return
+
+    threading.Thread(target=watch, name="hvdr-lease-watch", daemon=True).start()

@@ -183,6 +183,8 @@ class MemoryCommits:
             logger.warning("memory tier: %s", reason)
             return
         meta = {"epoch": self.state.epoch, "world_size": self.backend.size()}
+        if self.config.checkpoint.lease_epoch:  # which job of the run wrote it
+            meta["lease_epoch"] = self.config.checkpoint.lease_epoch
         try:
             pending = folder.begin(step, state, meta)
         except TierFull as e:

@@ -1,0 +1,61 @@
+"""The run's lease and the checkpoint store's fence (`run_lease.py`, `checkpoint/fence.py`)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hvd_resilient.checkpoint.fence import CheckpointFencedError, fenced, raise_fence, read_fence
+from hvd_resilient.checkpoint.manager import CheckpointManager
+from hvd_resilient.run_lease import TTL_S, LeaseHeldError, LeaseLostError, RunLease
+
+
+def test_epochs_rise_and_a_live_holder_is_waited_for_or_taken_over(tmp_path):
+    first = RunLease(tmp_path, "a")
+    assert first.acquire(wait_s=0, take_over=False) is None and first.epoch == 1
+    second = RunLease(tmp_path, "b")
+    told = []
+    with pytest.raises(LeaseHeldError, match="held by a live job"):
+        second.acquire(wait_s=0.3, take_over=False, on_wait=told.append)
+    assert len(told) == 1 and told[0].epoch == 1
+    old = second.acquire(wait_s=0, take_over=True)
+    assert old is not None and old.token == "a" and second.epoch == 2
+    with pytest.raises(LeaseLostError, match="taken over"):
+        first.renew()
+    second.renew()
+
+
+def test_a_lapsed_released_or_dead_holders_lease_is_free_at_once(tmp_path):
+    now = [1000.0]
+    lapsed = RunLease(tmp_path, "a", clock=lambda: now[0])
+    lapsed.acquire(wait_s=0, take_over=False)
+    now[0] += TTL_S + 0.1
+    assert RunLease(tmp_path, "b", clock=lambda: now[0]).acquire(wait_s=0, take_over=False)
+    released = RunLease(tmp_path / "r", "a")
+    released.acquire(wait_s=0, take_over=False)
+    released.release()
+    assert RunLease(tmp_path / "r", "b").acquire(wait_s=0, take_over=False).released
+    # a supervisor of this machine that died: its pid no longer names it, whatever the time
+    code = ("import sys; from hvd_resilient.run_lease import RunLease; "
+            "RunLease(sys.argv[1], 'dead').acquire(wait_s=0, take_over=False)")
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "d")], check=True, timeout=60)
+    t0 = time.monotonic()
+    old = RunLease(tmp_path / "d", "b").acquire(wait_s=30, take_over=False)
+    assert old is not None and old.token == "dead" and time.monotonic() - t0 < 1.0
+
+
+def test_the_store_refuses_a_checkpoint_of_a_displaced_epoch(tmp_path):
+    url = f"file://{tmp_path}/ckpt"
+    mgr = CheckpointManager(url)
+    mgr.before_publish = fenced(lambda: mgr.store, 1, None)
+    raise_fence(mgr.store, 1)
+    mgr.save(10, 0, 1, {"state.pt": b"x"})
+    raise_fence(mgr.store, 2)
+    raise_fence(mgr.store, 1)  # never lowered
+    assert read_fence(mgr.store) == 2
+    with pytest.raises(CheckpointFencedError, match="taken over by epoch 2"):
+        mgr.save(20, 0, 1, {"state.pt": b"y"})
+    assert [c.step for c in CheckpointManager(url).scan().checkpoints] == [10]
