@@ -142,7 +142,8 @@ def test_a_stopped_job_taken_over_is_refused_its_checkpoints_and_stops_itself(tm
     """The old job's supervisor, the lease holder, is frozen (SIGSTOP: alive, holding the run)
     while its workers train on. The relaunch waits for the lease to lapse, takes the run with
     epoch 2 and raises the store's fence: the old workers stop themselves (exit 78) at their
-    next checkpoint, which the store refuses, or when their lease watch sees epoch 2. The old supervisor, resumed, finds the run taken, ends what is left
+    next checkpoint, which the store refuses, or when their lease watch sees epoch 2. The old
+    supervisor, resumed, finds the run taken, ends what is left
     of its job and exits 78 with one line; the relaunch finishes with every rank equal."""
     log = tmp_path / "run" / "events.jsonl"
     old = jobs.start(_inplace_cmd(tmp_path, 1000), name="old")
