@@ -54,6 +54,27 @@ def _inplace(env: Mapping[str, str]) -> tuple[int | None, int | None] | None:
         return None, None
 
 
+JOB_ID_ENVS = (("torchrun", ("TORCHELASTIC_RUN_ID",)),
+               ("horovod", ("HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_PORT")),
+               ("slurm", ("SLURM_JOB_ID", "SLURM_STEP_ID")),
+               ("mpi", ("PMIX_NAMESPACE",)),
+               ("mpi", ("OMPI_MCA_orte_ess_jobid",)))
+"""Where the processes of one launch find a name they share and no other launch has: torchrun's
+run id, Horovod's rendezvous server (its driver's address and port), Slurm's job and step,
+Open MPI's PMIx namespace or job id."""
+
+
+def launcher_job_id(env: Mapping[str, str] | None = None) -> str | None:
+    """A name every process of this launch shares and no other launch has (None: not started
+    by a known launcher, or by one that names none)."""
+    env = os.environ if env is None else env
+    for kind, names in JOB_ID_ENVS:
+        values = [env.get(n, "") for n in names]
+        if all(values):
+            return f"{kind}:{':'.join(values)}"
+    return None
+
+
 def launcher_rank(env: Mapping[str, str] | None = None) -> int | None:
     """This process's rank as its launcher set it (None: not started by a known launcher).
 

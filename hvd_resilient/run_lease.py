@@ -136,12 +136,35 @@ class RunLease:
         Raises:
             LeaseHeldError: a live job still holds it after `wait_s`.
         """
+        return self._take(wait_s, on_wait, take_over=take_over, join=False)
+
+    def join_or_take(self, *, wait_s: float,
+                     on_wait: Callable[[LeaseRecord], None] | None = None) -> LeaseRecord | None:
+        """For a launch without a supervisor (plain horovodrun, mpirun, torchrun), done by every
+        rank, the token naming the launch (`launcher_env.launcher_job_id`): the first rank to
+        come takes the run with the next epoch, the others (and ranks that join later) find
+        their launch's token there and share its epoch, and every rank renews it. Never
+        released: once every rank is gone it lapses (at once on this machine, where the last
+        renewer's pid is seen gone; in `TTL_S` elsewhere). Returns the record taken over (None:
+        none, or joined).
+
+        Raises:
+            LeaseHeldError: another live launch holds the run after `wait_s`.
+        """
+        return self._take(wait_s, on_wait, take_over=False, join=True)
+
+    def _take(self, wait_s: float, on_wait: Callable[[LeaseRecord], None] | None, *,
+              take_over: bool, join: bool) -> LeaseRecord | None:
         deadline = time.monotonic() + wait_s
         told = False
         while True:
             with self._locked():
                 old = self.read()
                 now = self._clock()
+                if join and old is not None and old.token == self.token and not old.released:
+                    self.epoch = old.epoch
+                    self._write(LeaseRecord(self.epoch, self.holder, self.token, now))
+                    return None
                 if old is None or take_over or not old.live(now):
                     self.epoch = (old.epoch if old else 0) + 1
                     self._write(LeaseRecord(self.epoch, self.holder, self.token, now))

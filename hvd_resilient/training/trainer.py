@@ -16,7 +16,6 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
@@ -29,13 +28,12 @@ from hvd_resilient.config import TrainConfig
 from hvd_resilient.data.loader import ElasticLoader, LoadedBatch
 from hvd_resilient.detect import progress
 from hvd_resilient.detect.progress import ProgressWatchdog
-from hvd_resilient.errors import FATAL_EXIT_CODE, PREEMPTED_EXIT_CODE
+from hvd_resilient.errors import PREEMPTED_EXIT_CODE
 from hvd_resilient.events import EventLog
 from hvd_resilient.launcher_env import FORKED_ENV
 from hvd_resilient.observability import Observer
-from hvd_resilient.run_lease import LeaseRecord, watch_lease
 from hvd_resilient.state.sampler import ElasticDataSampler
-from hvd_resilient.training import rss
+from hvd_resilient.training import lease, rss
 from hvd_resilient.training.durable import DurableCheckpoints
 from hvd_resilient.training.faults import FaultPlan
 from hvd_resilient.training.memory_tier import MemoryCommits
@@ -71,16 +69,6 @@ def _flag_preemption() -> list[int]:
         except ValueError:  # not the main thread (embedded use): leave signals alone
             pass
     return received
-
-
-def _taken_over(events: EventLog, rec: LeaseRecord) -> None:
-    """A relaunch took the run (a newer lease epoch): this worker stops at once, one line, exit
-    78 (no supervisor relaunches it). Its checkpoints would be refused anyway (the store's
-    fence); stopping also ends its memory-tier commits and frees the machine."""
-    events.emit("lease_lost", fence=rec.epoch)
-    print(f"hvd-resilient: stopping: the run was taken over by lease epoch {rec.epoch} "
-          f"({rec.describe(time.time())})", file=sys.stderr, flush=True)
-    os._exit(FATAL_EXIT_CODE)
 
 
 class Trainer:
@@ -131,10 +119,11 @@ class Trainer:
         log.setup(rank_fn=backend.rank, level=cfg.observability.log_level)
         snapshot_pool().enabled = snapshot_pool().enabled and cfg.checkpoint.snapshot_reuse
         share_cores(backend.local_size())
+        cfg, renewal = lease.take_plain(cfg, backend.rank())  # one job per run
+        self.config = cfg
         events = EventLog(f"{cfg.run_dir}/events.jsonl", rank=backend.rank, size=backend.size,
                           lease_epoch=cfg.checkpoint.lease_epoch)
-        if cfg.checkpoint.lease_epoch:
-            watch_lease(cfg.run_dir, cfg.checkpoint.lease_epoch, partial(_taken_over, events))
+        lease.stop_when_taken_over(cfg, events, renewal)
         model, optimizer = backend.wrap(self.model, self.optimizer,
                                         accumulation=cfg.recipe.grad_accum)
         self._wrapped = model

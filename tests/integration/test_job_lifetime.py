@@ -180,3 +180,30 @@ def test_a_stopped_job_taken_over_is_refused_its_checkpoints_and_stops_itself(tm
     done = [e for e in events(log) if e["event"] == "done"]
     assert {e["lease_epoch"] for e in done} == {2}
     assert len({e["params_sha256"] for e in done}) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_plain_torchrun_launch_holds_the_run_and_yields_it_to_a_take_over(tmp_path, jobs):
+    """No supervisor: the ranks of a plain torchrun launch take the run's lease themselves,
+    under their launch's name, and renew it. `hvd-resilient run --take-over` takes the run
+    with the next epoch; the plain job's ranks stop by themselves within seconds."""
+    log = tmp_path / "run" / "events.jsonl"
+    torchrun = str(Path(PYTHON).parent / "torchrun")
+    plain = jobs.start([torchrun, "--standalone", "--nproc-per-node", "2", "--max-restarts", "0",
+                        DIGITS, "--epochs", "1000", "--commit-every", "5", "--checkpoint-every",
+                        "10", "--run-id", "k", "--run-dir", str(tmp_path / "run"),
+                        "--checkpoint-url", f"file://{tmp_path}/ckpt"], name="plain")
+    wait_for(lambda: any(e["event"] == "checkpoint_saved" for e in _trained(log, 1)), 120,
+             "the plain launch checkpointing under lease epoch 1", plain)
+    cmd = _inplace_cmd(tmp_path, 60)
+    new = jobs.start([*cmd[:cmd.index("--")], "--take-over", *cmd[cmd.index("--"):]],
+                     name="new")
+    assert plain.wait(30) != 0, plain.output()[-3000:]
+    assert "taken over" in plain.output()
+    stopped = [e for e in events(log) if e["event"] in ("lease_lost", "checkpoint_fenced")]
+    assert stopped and {e["lease_epoch"] for e in stopped} == {1}
+    assert new.wait(180) == 0, new.output()[-3000:]
+    done = [e for e in events(log) if e["event"] == "done"]
+    assert {e["lease_epoch"] for e in done} == {2}
+    assert len({e["params_sha256"] for e in done}) == 1

@@ -1,0 +1,114 @@
+"""The run's lease as a training process holds it (`run_lease.py` has the lease itself).
+
+Under `hvd-resilient run` the supervisor holds the lease and renews it; its workers get the
+epoch (`checkpoint.lease_epoch`) and watch the lease, stopping within a second of a takeover.
+A plain `horovodrun`, `mpirun` or `torchrun` launch has no supervisor: its ranks take the lease
+themselves, all under their launch's name (`launcher_env.launcher_job_id`), and each renews it.
+Either way a job that was taken over stops itself, and the store's fence refuses its
+checkpoints, so two launches never train on one run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+from hvd_resilient.checkpoint.fence import raise_fence
+from hvd_resilient.checkpoint.stores import StoreError, open_store
+from hvd_resilient.config import TrainConfig
+from hvd_resilient.errors import FATAL_EXIT_CODE, LaunchError
+from hvd_resilient.events import EventLog
+from hvd_resilient.launcher_env import launcher_job_id
+from hvd_resilient.run_lease import (
+    RENEW_S,
+    LeaseHeldError,
+    LeaseLostError,
+    LeaseRecord,
+    RunLease,
+    watch_lease,
+)
+
+logger = logging.getLogger(__name__)
+
+PLAIN_WAIT_S = 30.0
+"""How long the ranks of a plain launch wait for a live job holding the run to end (the
+default of `hvd-resilient run --lease-wait`)."""
+
+
+def take_plain(cfg: TrainConfig, rank: int) -> tuple[TrainConfig, Renewal | None]:
+    """The config with the epoch this plain launch holds the run under, and the renewal of the
+    lease it took or joined; `cfg` as it is and None when a supervisor holds the lease, or when
+    no known launcher started this process (nothing to share a lease with).
+
+    Raises:
+        LaunchError: another live job holds the run, or the store's fence cannot be set.
+    """
+    job = launcher_job_id()
+    if cfg.checkpoint.lease_epoch or job is None:
+        return cfg, None
+    lease = RunLease(cfg.run_dir, f"plain:{job}")
+
+    def waiting(old: LeaseRecord) -> None:
+        if rank == 0:
+            print(f"hvd-resilient: run {cfg.run_id} is held by a live job "
+                  f"({old.describe(time.time())}); waiting up to {PLAIN_WAIT_S:g} s for it to "
+                  "end", file=sys.stderr, flush=True)
+
+    try:
+        lease.join_or_take(wait_s=PLAIN_WAIT_S, on_wait=waiting)
+    except LeaseHeldError as e:
+        raise LaunchError(f"{e}; stop it first, or launch with `hvd-resilient run --take-over`"
+                          ) from None
+    url = cfg.checkpoint.url
+    try:
+        raise_fence(open_store(url, **cfg.store.store_options(url)), lease.epoch)
+    except StoreError as e:
+        raise LaunchError(f"checkpoint store: cannot set the run's fence: {e}") from None
+    return dataclasses.replace(
+        cfg, checkpoint=dataclasses.replace(cfg.checkpoint, lease_epoch=lease.epoch)), \
+        Renewal(lease)
+
+
+class Renewal:
+    """Renews a lease every `RENEW_S` from a daemon thread, until a newer epoch holds it;
+    then calls `on_lost` (set once the event log exists) with why."""
+
+    def __init__(self, lease: RunLease) -> None:
+        self.lease = lease
+        self.on_lost: Callable[[str], None] | None = None
+        threading.Thread(target=self._hold, name="hvdr-lease", daemon=True).start()
+
+    def _hold(self) -> None:
+        while True:
+            time.sleep(RENEW_S)
+            try:
+                self.lease.renew()
+            except LeaseLostError as e:
+                if self.on_lost is not None:
+                    self.on_lost(str(e))
+                return
+            except OSError as e:  # the run folder's filesystem hiccuped: the next try may do
+                logger.warning("renewing the run's lease failed: %s", e)
+
+
+def stop_when_taken_over(cfg: TrainConfig, events: EventLog, renewal: Renewal | None) -> None:
+    """From here on, a takeover of the run (a newer lease epoch) stops this process: one
+    line, a `lease_lost` event, exit 78 (a fault no restart fixes: nothing relaunches it).
+    Its checkpoints would be refused anyway (the store's fence); stopping also ends its
+    memory-tier commits and frees the machine."""
+    def lost(what: LeaseRecord | str) -> None:  # the watch's record, or the renewal's why
+        why = what if isinstance(what, str) else \
+            f"the run was taken over by lease epoch {what.epoch} ({what.describe(time.time())})"
+        events.emit("lease_lost", error=why)
+        print(f"hvd-resilient: stopping: {why}", file=sys.stderr, flush=True)
+        os._exit(FATAL_EXIT_CODE)
+
+    if renewal is not None:
+        renewal.on_lost = lost  # this process renews the lease: a failed renewal tells
+    elif cfg.checkpoint.lease_epoch:
+        watch_lease(cfg.run_dir, cfg.checkpoint.lease_epoch, lost)
