@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import socket
 import threading
@@ -28,6 +29,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 LEASE_FILE = "lease.json"
 TTL_S = 5.0
@@ -197,6 +200,35 @@ class RunLease:
             if rec is not None and rec.epoch == self.epoch:
                 rec.released = True
                 self._write(rec)
+
+
+class Renewal:
+    """Renews a lease every `RENEW_S` from a daemon thread, from the moment it was taken, until
+    `stop()` or until a newer epoch holds it; then calls `on_lost` with why (set it when the
+    holder knows what to do: the supervisor ends its job, a rank stops itself)."""
+
+    def __init__(self, lease: RunLease) -> None:
+        self.lease = lease
+        self.on_lost: Callable[[str], None] | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._hold, name="hvdr-lease", daemon=True)
+        self._thread.start()
+
+    def _hold(self) -> None:
+        while not self._done.wait(RENEW_S):
+            try:
+                self.lease.renew()
+            except LeaseLostError as e:
+                if self.on_lost is not None:
+                    self.on_lost(str(e))
+                return
+            except OSError as e:  # the run folder's filesystem hiccuped: the next try may do
+                logger.warning("renewing the run's lease failed: %s", e)
+
+    def stop(self) -> None:
+        """No renewal after this returns (a release that follows stays released)."""
+        self._done.set()
+        self._thread.join()
 
 
 def watch_lease(run_dir: str | os.PathLike[str], epoch: int,

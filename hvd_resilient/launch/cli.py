@@ -37,16 +37,16 @@ from hvd_resilient.launch.job_guard import JOB_ENV, end_job
 from hvd_resilient.launch.run_options import LAUNCHERS, RUN
 from hvd_resilient.launch.supervisor import Supervisor
 from hvd_resilient.masking import has_credentials, mask_env, mask_text, mask_url
-from hvd_resilient.run_lease import LeaseHeldError, LeaseRecord, RunLease
+from hvd_resilient.run_lease import LeaseHeldError, LeaseRecord, Renewal, RunLease
 from hvd_resilient.settings import load_file
 
 __all__ = ["LAUNCHERS", "build_parser", "launcher_command", "main", "resolve"]
 
 FORWARDED_PREFIXES = ("HVD_RESILIENT_", "AWS_", "PYTHONPATH", "OMP_NUM_THREADS")
 MEMORY_SCOPE_ENV = "HVD_RESILIENT_MEMORY_TIER_SCOPE"
+"""The workers' `memory_tier_scope`, which --fresh-start sets for them."""
 LEASE_EPOCH_ENV = "HVD_RESILIENT_CHECKPOINT_LEASE_EPOCH"
 """The workers' `checkpoint.lease_epoch`: the epoch of the run's lease this launch took."""
-"""The workers' `memory_tier_scope`, which --fresh-start sets for them."""
 
 
 def parse_hosts(spec: str) -> list[tuple[str, int]]:
@@ -340,9 +340,10 @@ def fresh_start(url: str) -> str:
             f"{shown}/{tag}` lists them); starting from step 0")
 
 
-def take_run(opts: dict[str, Any], token: str) -> RunLease:
+def take_run(opts: dict[str, Any], token: str) -> Renewal:
     """Takes the run's lease (`run_lease.py`) and raises the checkpoint store's fence to its
-    epoch: from here on, a job that held the run before can publish no checkpoint. A live
+    epoch, and renews it from then on: a job that held the run before can publish no
+    checkpoint. A live
     holder is waited for (--lease-wait) or displaced (--take-over). What a dead supervisor of
     this machine left running is ended here, should its guard have missed anything; a live
     holder (frozen, or on another host) is left to stop itself: its supervisor ends its job when
@@ -371,7 +372,7 @@ def take_run(opts: dict[str, Any], token: str) -> RunLease:
                           f"run's fence: {e}") from None
     if old is not None and old.token and old.holder_gone_from(socket.gethostname()):
         end_job(old.token)
-    return lease
+    return Renewal(lease)
 
 
 def main(argv: list[str]) -> int:
@@ -410,23 +411,25 @@ def main(argv: list[str]) -> int:
         check_hosts_reachable(parse_hosts(opts["hosts"]), opts["ssh_port"])
     check_store(opts["checkpoint"])
     Path(opts["run_dir"]).mkdir(parents=True, exist_ok=True)
-    lease = take_run(opts, env[JOB_ENV])  # before anything is written to the run
-    env[LEASE_EPOCH_ENV] = str(lease.epoch)
-    if opts["fresh_start"]:
-        print(fresh_start(opts["checkpoint"]), flush=True)
-    pool = start_pool(opts, env)
-    if pool is not None:  # its socket is one more name for mpirun to forward
-        cmd = launcher_command(opts, sorted(k for k in env if k.startswith(FORWARDED_PREFIXES)))
+    renewal = take_run(opts, env[JOB_ENV])  # before anything is written to the run
+    env[LEASE_EPOCH_ENV] = str(renewal.lease.epoch)
+    pool = None
     try:
+        if opts["fresh_start"]:
+            print(fresh_start(opts["checkpoint"]), flush=True)
+        pool = start_pool(opts, env)
+        # the lease's epoch and the pool's socket: more names for mpirun to forward
+        cmd = launcher_command(opts, sorted(k for k in env if k.startswith(FORWARDED_PREFIXES)))
         # mpirun passes SIGUSR1 on to every rank, on every host: the preemption path
         graceful = signal.SIGUSR1 if opts["launcher"] == "mpi" else None
         outcome = Supervisor(cmd, env, opts["run_dir"], max_restarts=opts["max_restarts"],
                              graceful=graceful, signal_group=opts["launcher"] != "horovod",
-                             lease=lease).run()
+                             renewal=renewal).run()
     finally:
         if pool is not None:
             pool.stop()
-        lease.release()
+        renewal.stop()
+        renewal.lease.release()
     msg = f"hvd-resilient run: {outcome.reason} (exit {outcome.exit_code}, " \
           f"{outcome.restarts} restarts; events: {opts['run_dir']}/events.jsonl)"
     print(mask_text(msg), file=sys.stderr if outcome.exit_code else sys.stdout)

@@ -27,7 +27,7 @@ from hvd_resilient.events import EventLog, read_events
 from hvd_resilient.fatal_events import fatal_events
 from hvd_resilient.launch.job_guard import JOB_ENV, Guard, end_job
 from hvd_resilient.launch.launcher_output import OutputFacts, Tee
-from hvd_resilient.run_lease import RENEW_S, LeaseLostError, RunLease
+from hvd_resilient.run_lease import Renewal
 
 logger = logging.getLogger(__name__)
 SUPERVISOR_RANK = -1
@@ -47,7 +47,7 @@ class Supervisor:
                  max_restarts: int = 3, backoff: tuple[float, float] = (1.0, 60.0),
                  sleep: Callable[[float], None] = time.sleep,
                  graceful: signal.Signals | None = None, signal_group: bool = True,
-                 lease: RunLease | None = None) -> None:
+                 renewal: Renewal | None = None) -> None:
         """``graceful``: the signal the launcher passes on to every rank as a preemption (the
         workers' final checkpoint), sent in place of the first SIGTERM or SIGINT. mpirun's own
         answer to SIGTERM is to kill its ranks, with no time for that checkpoint.
@@ -55,14 +55,14 @@ class Supervisor:
         workers are in it); off, to the launcher alone: Horovod's driver ends its workers
         itself, and the forkserver its middlemen come from must outlive the signal to report
         their exits (killed with the group, every worker's exit read 255).
-        ``lease``: the run's lease this launch took; renewed while the job runs. Should a
-        relaunch take the run over, the job is ended and the run is not relaunched."""
+        ``renewal``: of the run's lease this launch took (renewed from the moment it was
+        taken). Should a relaunch take the run over, the job is ended and not relaunched."""
         self.cmd = cmd
         self.env = env
         self.events_path = Path(run_dir) / "events.jsonl"
-        self.lease = lease
+        self.renewal = renewal
         self.events = EventLog(self.events_path, rank=SUPERVISOR_RANK, size=0, step=0,
-                               lease_epoch=lease.epoch if lease else None)
+                               lease_epoch=renewal.lease.epoch if renewal else None)
         self._lost = ""
         self.max_restarts = max_restarts
         self.backoff = backoff
@@ -117,34 +117,24 @@ class Supervisor:
         ends every process of the job if this one dies (`launch/job_guard.py`)."""
         guard = Guard(self.env[JOB_ENV], str(self.events_path.parent)) \
             if JOB_ENV in self.env else None
-        done = threading.Event()
-        if self.lease is not None:
-            self.events.emit("lease_taken", holder=self.lease.holder)
-            threading.Thread(target=self._hold, args=(self.lease, done), daemon=True,
-                             name="hvdr-lease").start()
+        if self.renewal is not None:
+            self.events.emit("lease_taken", holder=self.renewal.lease.holder)
+            self.renewal.on_lost = self._lease_lost
         try:
             return self._run()
         finally:
-            done.set()
             if guard is not None:
                 guard.close()
 
-    def _hold(self, lease: RunLease, done: threading.Event) -> None:
-        """Renews the lease; a run taken over by a newer epoch ends this job, every process of
-        it, and the supervisor does not relaunch."""
-        while not done.wait(RENEW_S):
-            try:
-                lease.renew()
-            except LeaseLostError as e:
-                self._lost = str(e)
-                self._stopping = True
-                self.events.emit("lease_lost", error=self._lost)
-                logger.error("%s; ending this job", self._lost)
-                if JOB_ENV in self.env:
-                    end_job(self.env[JOB_ENV])
-                return
-            except OSError as e:  # the run folder's filesystem hiccuped: the next try may do
-                logger.warning("renewing the run's lease failed: %s", e)
+    def _lease_lost(self, why: str) -> None:
+        """A relaunch took the run over (a newer lease epoch): every process of this job is
+        ended, and the supervisor does not relaunch."""
+        self._lost = why
+        self._stopping = True
+        self.events.emit("lease_lost", error=why)
+        logger.error("%s; ending this job", why)
+        if JOB_ENV in self.env:
+            end_job(self.env[JOB_ENV])
 
     def _run(self) -> Outcome:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):

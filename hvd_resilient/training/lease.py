@@ -11,12 +11,9 @@ checkpoints, so two launches never train on one run.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import sys
-import threading
 import time
-from collections.abc import Callable
 
 from hvd_resilient.checkpoint.fence import raise_fence
 from hvd_resilient.checkpoint.stores import StoreError, open_store
@@ -24,16 +21,7 @@ from hvd_resilient.config import TrainConfig
 from hvd_resilient.errors import FATAL_EXIT_CODE, LaunchError
 from hvd_resilient.events import EventLog
 from hvd_resilient.launcher_env import launcher_job_id
-from hvd_resilient.run_lease import (
-    RENEW_S,
-    LeaseHeldError,
-    LeaseLostError,
-    LeaseRecord,
-    RunLease,
-    watch_lease,
-)
-
-logger = logging.getLogger(__name__)
+from hvd_resilient.run_lease import LeaseHeldError, LeaseRecord, Renewal, RunLease, watch_lease
 
 PLAIN_WAIT_S = 30.0
 """How long the ranks of a plain launch wait for a live job holding the run to end (the
@@ -72,28 +60,6 @@ def take_plain(cfg: TrainConfig, rank: int) -> tuple[TrainConfig, Renewal | None
     return dataclasses.replace(
         cfg, checkpoint=dataclasses.replace(cfg.checkpoint, lease_epoch=lease.epoch)), \
         Renewal(lease)
-
-
-class Renewal:
-    """Renews a lease every `RENEW_S` from a daemon thread, until a newer epoch holds it;
-    then calls `on_lost` (set once the event log exists) with why."""
-
-    def __init__(self, lease: RunLease) -> None:
-        self.lease = lease
-        self.on_lost: Callable[[str], None] | None = None
-        threading.Thread(target=self._hold, name="hvdr-lease", daemon=True).start()
-
-    def _hold(self) -> None:
-        while True:
-            time.sleep(RENEW_S)
-            try:
-                self.lease.renew()
-            except LeaseLostError as e:
-                if self.on_lost is not None:
-                    self.on_lost(str(e))
-                return
-            except OSError as e:  # the run folder's filesystem hiccuped: the next try may do
-                logger.warning("renewing the run's lease failed: %s", e)
 
 
 def stop_when_taken_over(cfg: TrainConfig, events: EventLog, renewal: Renewal | None) -> None:
