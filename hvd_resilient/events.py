@@ -37,6 +37,9 @@ def _clean(value: Any) -> Any:
     return mask_text(str(value))  # what json.dumps(default=str) would write, masked
 
 
+LEASE_EPOCH_ENV = "HVD_RESILIENT_CHECKPOINT_LEASE_EPOCH"
+"""Where `hvd-resilient run` puts its job's lease epoch (the workers' checkpoint.lease_epoch)."""
+
 RESERVED = ("ts", "event", "rank", "size", "step")
 """The keys `EventLog.emit` fills in itself; a field of one of these names is refused. `step`
 is always the training step at the time of the event: a checkpoint's own step is `ckpt_step`."""
@@ -65,8 +68,13 @@ class EventLog:
         lease_epoch: int | None = None,
     ) -> None:
         """``lease_epoch``: the run's lease epoch of the job writing (`run_lease.py`), carried
-        by each of its events, so that a reader tells the jobs of one run apart."""
+        by each of its events, so that a reader tells the jobs of one run apart. None: the one
+        `hvd-resilient run` gave this process (`LEASE_EPOCH_ENV`), so that the events of the
+        Horovod driver and of custom loops carry it too; 0: none."""
         self.path = Path(path) if path else None
+        if lease_epoch is None:
+            given = os.environ.get(LEASE_EPOCH_ENV, "")
+            lease_epoch = int(given) if given.isdigit() else 0
         self.lease_epoch = lease_epoch
         self._rank = rank
         self._size = size

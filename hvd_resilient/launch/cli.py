@@ -21,6 +21,7 @@ from typing import Any
 
 from hvd_resilient.config import CheckpointOptions, TrainConfig, refuse_credentials
 from hvd_resilient.errors import SUPERVISED_ENV, ConfigError, LaunchError
+from hvd_resilient.events import LEASE_EPOCH_ENV
 from hvd_resilient.launch import mpi_warm
 from hvd_resilient.launch.commands import (
     horovodrun_static,
@@ -45,8 +46,6 @@ __all__ = ["LAUNCHERS", "build_parser", "launcher_command", "main", "resolve"]
 FORWARDED_PREFIXES = ("HVD_RESILIENT_", "AWS_", "PYTHONPATH", "OMP_NUM_THREADS")
 MEMORY_SCOPE_ENV = "HVD_RESILIENT_MEMORY_TIER_SCOPE"
 """The workers' `memory_tier_scope`, which --fresh-start sets for them."""
-LEASE_EPOCH_ENV = "HVD_RESILIENT_CHECKPOINT_LEASE_EPOCH"
-"""The workers' `checkpoint.lease_epoch`: the epoch of the run's lease this launch took."""
 
 
 def parse_hosts(spec: str) -> list[tuple[str, int]]:

@@ -117,7 +117,7 @@ def main(argv: list[str]) -> int:
     if b"done" not in said:
         from hvd_resilient.events import EventLog
 
-        log = EventLog(Path(run_dir) / "events.jsonl", rank=-1, size=0, step=0)
+        log = EventLog(Path(run_dir) / "events.jsonl", rank=-1, size=0, step=0, lease_epoch=0)
         log.emit("job_ended_with_supervisor", processes=ended,
                  seconds=round(time.time() - t0, 3))
         print(f"hvd-resilient run: the supervisor is gone; ended its job ({ended} processes)",

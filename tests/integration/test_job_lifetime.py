@@ -96,6 +96,11 @@ def test_sigkill_of_run_ends_every_process_of_the_job(launcher, tmp_path, jobs):
     assert (log.stat().st_size, sorted(p.name for p in (tmp_path / "ckpt").glob("*"))) \
         == snapshot
     assert not [e for e in events(log) if e["event"] == "done"]
+    # every event of the job says which job of the run wrote it: the supervisor's, the
+    # driver's, the workers'
+    unmarked = {e["event"] for e in events(log) if e.get("lease_epoch") != 1
+                and e["event"] != "job_ended_with_supervisor"}
+    assert not unmarked, f"events without the job's lease epoch: {unmarked}"
 
 
 TRAINING = ("commit", "memory_commit", "checkpoint_saved", "checkpoint_fenced", "epoch_end",
