@@ -62,7 +62,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from hvd_resilient.report import data
+from hvd_resilient.report import data, jobs
 from hvd_resilient.report.checkpoints import (
     Summary,
     YoungDaly,
@@ -159,7 +159,10 @@ class Report:
     """Each distinct `epoch_end` record checked (`data.epochs_of`): epoch, samples,
     expected_samples, exactly_once (True, False, or None when not checkable), text, times."""
     problems: list[str] = field(default_factory=list)
-    """What the log proves went wrong with the data: samples missing or used twice."""
+    """What the log proves went wrong: samples missing or used twice, two jobs training on
+    the run at once."""
+    jobs: list[dict[str, Any]] = field(default_factory=list)
+    """The jobs that trained on the run, one per lease epoch (`jobs.jobs_of`)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -481,6 +484,7 @@ def analyze(raw: Iterable[Event], now: float | None = None,
     ws = world_size_series(launches, t0)
     stragglers = stragglers_of(events, t0)
     epochs = data.epochs_of(events)
+    ran = jobs.jobs_of(events, t0)
     series: dict[str, list[Any]] = {
         "world_size": ws,
         "throughput": segments,
@@ -535,5 +539,6 @@ def analyze(raw: Iterable[Event], now: float | None = None,
         goodput_to_now=productive / (now - t0) if silent and now is not None else None,
         stragglers=stragglers, straggler_rule=straggler_rule(config),
         step_times=step_times_of(events, t0),
-        data_epochs=epochs, problems=data.problems(epochs),
+        data_epochs=epochs, problems=data.problems(epochs) + jobs.problems(ran),
+        jobs=ran,
     )

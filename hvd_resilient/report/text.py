@@ -5,7 +5,7 @@ Plain ASCII so it survives any terminal, log collector or `LANG=C` pipe.
 
 from __future__ import annotations
 
-from hvd_resilient.report import data
+from hvd_resilient.report import data, jobs
 from hvd_resilient.report.analysis import Failure, Report
 from hvd_resilient.report.checkpoints import Summary
 
@@ -164,6 +164,10 @@ def render(r: Report, source: str = "") -> str:
             f"{dur(rs['startup_s'])}, resumed from step {rs['from_step']}"
             + (f" ({rs['source']})" if rs.get("source") else "") + ", "
             f"{rs['steps_lost']} steps redone")))
+    jobs_line = jobs.line(r.jobs)
+    if jobs_line:
+        out.append(_line("jobs", jobs_line))
+    out += [_line("PROBLEM", p) for p in jobs.problems(r.jobs)]
     label = ""
     for kind, text in data.lines(r.data_epochs):  # the first data row is labelled, as above
         out.append(_line(kind if kind == "PROBLEM" or kind != label else "", text))

@@ -7,6 +7,7 @@ nothing more may be written to the run."""
 from __future__ import annotations
 
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -139,6 +140,9 @@ def test_relaunch_right_after_a_sigkill_of_run_never_trains_beside_the_old_job(t
     assert {e["lease_epoch"] for e in done} == {2} and len(done) == 2
     assert len({e["params_sha256"] for e in done}) == 1
     assert [e["lease_epoch"] for e in events(log) if e["event"] == "lease_taken"] == [1, 2]
+    report = subprocess.run([HVD, "report", str(tmp_path / "run")], capture_output=True,
+                            text=True, timeout=60)
+    assert "2 (lease epochs 1, 2), one at a time" in report.stdout, report.stdout
 
 
 @pytest.mark.slow
