@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from tests.support.elastic_run import GLOO_TIMEOUT, HOROVOD_ARGS, ElasticRun
-from tests.support.jobs import set_hosts
+from tests.support.jobs import launchers_of, set_hosts
 from tests.support.netns import Host
 from tests.support.runs import assert_faults_fired, fault_times
 from tests.support.s3_server import S3Server
@@ -192,7 +192,7 @@ def test_reset_limit_reached_stops_the_job_with_horovods_message(chaos):
 def driver_of(run: ElasticRun) -> psutil.Process:
     """The supervisor's one child: horovodrun's driver (run in-process by
     `python -m hvd_resilient.launch.horovod.driver`)."""
-    kids = psutil.Process(run.job.proc.pid).children()
+    kids = launchers_of(run.job.proc.pid)  # not its job guard
     assert len(kids) == 1, f"expected one launcher under the supervisor: {kids}"
     assert "horovod" in " ".join(kids[0].cmdline()), kids[0].cmdline()
     return kids[0]

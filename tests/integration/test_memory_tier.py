@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from tests.support.exactly_once import assert_exactly_once
-from tests.support.jobs import PYTHON, events, wait_for
+from tests.support.jobs import PYTHON, events, launchers_of, wait_for
 from tests.support.paths import ROOT, SCRIPTS
 from tests.support.runs import assert_faults_fired, resumed_from_last_commit
 
@@ -100,9 +100,8 @@ def test_a_corrupt_memory_copy_is_skipped_and_the_one_before_is_used(tmp_path, j
 
 
 def _driver(job) -> psutil.Process:
-    """The supervisor's one child that is not its warm pool: horovodrun's driver."""
-    (kid,) = [k for k in psutil.Process(job.proc.pid).children()
-              if "warm_pool_server" not in " ".join(k.cmdline())]
+    """The supervisor's one child that is not its warm pool or guard: horovodrun's driver."""
+    (kid,) = launchers_of(job.proc.pid)
     assert "horovod" in " ".join(kid.cmdline()), kid.cmdline()
     return kid
 

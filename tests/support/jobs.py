@@ -61,6 +61,14 @@ class Job:
         return marked_processes(self.marker)
 
 
+def launchers_of(supervisor_pid: int) -> list[psutil.Process]:
+    """The children of `hvd-resilient run` that are its launch: not its job guard
+    (`launch/job_guard.py`), not its warm pool."""
+    return [k for k in psutil.Process(supervisor_pid).children()
+            if not any(m in " ".join(k.cmdline())
+                       for m in ("hvd_resilient.launch.job_guard", "warm_pool_server"))]
+
+
 def marked_processes(marker: str) -> list[psutil.Process]:
     out = []
     for p in psutil.process_iter(["pid"]):
