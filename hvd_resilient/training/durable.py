@@ -27,7 +27,7 @@ import time
 from typing import Any, TypedDict
 
 from hvd_resilient.backends.base import Backend
-from hvd_resilient.checkpoint.fence import fenced
+from hvd_resilient.checkpoint.fence import fenced, raise_fence
 from hvd_resilient.checkpoint.host_buffers import pool
 from hvd_resilient.checkpoint.manager import CheckpointManager
 from hvd_resilient.checkpoint.manifest import REPLICATED, CheckpointInfo
@@ -156,6 +156,8 @@ class DurableCheckpoints:
                     self.resume()
                 else:
                     self._refuse_existing()
+                if self.config.checkpoint.lease_epoch:  # once the store answered (resume's wait)
+                    raise_fence(self.manager.store, self.config.checkpoint.lease_epoch)
             except (HvdResilientError, StoreError) as e:
                 error = " ".join(str(e).split())
                 self.events.emit("fatal", error=error, restartable=False)

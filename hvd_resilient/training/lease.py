@@ -15,8 +15,6 @@ import os
 import sys
 import time
 
-from hvd_resilient.checkpoint.fence import raise_fence
-from hvd_resilient.checkpoint.stores import StoreError, open_store
 from hvd_resilient.config import TrainConfig
 from hvd_resilient.errors import FATAL_EXIT_CODE, LaunchError
 from hvd_resilient.events import EventLog
@@ -33,8 +31,11 @@ def take_plain(cfg: TrainConfig, rank: int) -> tuple[TrainConfig, Renewal | None
     lease it took or joined; `cfg` as it is and None when a supervisor holds the lease, or when
     no known launcher started this process (nothing to share a lease with).
 
+    The store's fence is raised to the epoch at the resume (`DurableCheckpoints.start`), once
+    the store answered: a store down at a relaunch is waited for there, within its bound.
+
     Raises:
-        LaunchError: another live job holds the run, or the store's fence cannot be set.
+        LaunchError: another live job holds the run.
     """
     job = launcher_job_id()
     if cfg.checkpoint.lease_epoch or job is None:
@@ -52,11 +53,6 @@ def take_plain(cfg: TrainConfig, rank: int) -> tuple[TrainConfig, Renewal | None
     except LeaseHeldError as e:
         raise LaunchError(f"{e}; stop it first, or launch with `hvd-resilient run --take-over`"
                           ) from None
-    url = cfg.checkpoint.url
-    try:
-        raise_fence(open_store(url, **cfg.store.store_options(url)), lease.epoch)
-    except StoreError as e:
-        raise LaunchError(f"checkpoint store: cannot set the run's fence: {e}") from None
     return dataclasses.replace(
         cfg, checkpoint=dataclasses.replace(cfg.checkpoint, lease_epoch=lease.epoch)), \
         Renewal(lease)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from hvd_resilient.checkpoint.fence import FENCE_KEY
 from hvd_resilient.errors import FATAL_EXIT_CODE
 from tests.support.jobs import (
     PYTHON,
@@ -35,10 +36,11 @@ HOROVODRUN = str(Path(PYTHON).parent / "horovodrun")
 
 
 def tree_digest(folder: Path) -> dict[str, tuple[str, int]]:
-    """Every file under ``folder``: content digest and modification time (ns)."""
+    """Every file under ``folder`` but the run's fence (each launch raises it to its lease
+    epoch: not a checkpoint): content digest and modification time (ns)."""
     return {str(p.relative_to(folder)): (hashlib.sha256(p.read_bytes()).hexdigest(),
                                          p.stat().st_mtime_ns)
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != FENCE_KEY}
 
 
 def run_cmd(backend: str, tmp: Path, run: Path, ckpt: str, *train: str) -> list[str]:
