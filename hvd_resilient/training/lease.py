@@ -10,7 +10,6 @@ checkpoints, so two launches never train on one run.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 import time
@@ -26,10 +25,10 @@ PLAIN_WAIT_S = 30.0
 default of `hvd-resilient run --lease-wait`)."""
 
 
-def take_plain(cfg: TrainConfig, rank: int) -> tuple[TrainConfig, Renewal | None]:
-    """The config with the epoch this plain launch holds the run under, and the renewal of the
-    lease it took or joined; `cfg` as it is and None when a supervisor holds the lease, or when
-    no known launcher started this process (nothing to share a lease with).
+def take_plain(cfg: TrainConfig, rank: int) -> Renewal | None:
+    """Takes or joins the run's lease for this plain launch, sets `cfg.checkpoint.lease_epoch`
+    to its epoch and returns its renewal; None, `cfg` as it is, when a supervisor holds the
+    lease, or when no known launcher started this process (nothing to share a lease with).
 
     The store's fence is raised to the epoch at the resume (`DurableCheckpoints.start`), once
     the store answered: a store down at a relaunch is waited for there, within its bound.
@@ -39,7 +38,7 @@ def take_plain(cfg: TrainConfig, rank: int) -> tuple[TrainConfig, Renewal | None
     """
     job = launcher_job_id()
     if cfg.checkpoint.lease_epoch or job is None:
-        return cfg, None
+        return None
     lease = RunLease(cfg.run_dir, f"plain:{job}")
 
     def waiting(old: LeaseRecord) -> None:
@@ -53,9 +52,10 @@ def take_plain(cfg: TrainConfig, rank: int) -> tuple[TrainConfig, Renewal | None
     except LeaseHeldError as e:
         raise LaunchError(f"{e}; stop it first, or launch with `hvd-resilient run --take-over`"
                           ) from None
-    return dataclasses.replace(
-        cfg, checkpoint=dataclasses.replace(cfg.checkpoint, lease_epoch=lease.epoch)), \
-        Renewal(lease)
+    # In place, not a copy: scripts hold the trainer's config and change it while it trains
+    # (a stop file setting max_steps), which a copy would no longer see.
+    cfg.checkpoint.lease_epoch = lease.epoch
+    return Renewal(lease)
 
 
 def stop_when_taken_over(cfg: TrainConfig, events: EventLog, renewal: Renewal | None) -> None:

@@ -119,8 +119,7 @@ class Trainer:
         log.setup(rank_fn=backend.rank, level=cfg.observability.log_level)
         snapshot_pool().enabled = snapshot_pool().enabled and cfg.checkpoint.snapshot_reuse
         share_cores(backend.local_size())
-        cfg, renewal = lease.take_plain(cfg, backend.rank())  # one job per run
-        self.config = cfg
+        renewal = lease.take_plain(cfg, backend.rank())  # one job per run
         events = EventLog(f"{cfg.run_dir}/events.jsonl", rank=backend.rank, size=backend.size,
                           lease_epoch=cfg.checkpoint.lease_epoch)
         lease.stop_when_taken_over(cfg, events, renewal)
