@@ -141,20 +141,22 @@ class RunLease:
         """
         return self._take(wait_s, on_wait, take_over=take_over, join=False)
 
-    def join_or_take(self, *, wait_s: float,
+    def join_or_take(self, *, wait_s: float, take_over: bool = False,
                      on_wait: Callable[[LeaseRecord], None] | None = None) -> LeaseRecord | None:
-        """For a launch without a supervisor (plain horovodrun, mpirun, torchrun), done by every
-        rank, the token naming the launch (`launcher_env.launcher_job_id`): the first rank to
-        come takes the run with the next epoch, the others (and ranks that join later) find
-        their launch's token there and share its epoch, and every rank renews it. Never
-        released: once every rank is gone it lapses (at once on this machine, where the last
-        renewer's pid is seen gone; in `TTL_S` elsewhere). Returns the record taken over (None:
-        none, or joined).
+        """For a job that several processes start, each with the token naming the job: the
+        ranks of a plain horovodrun, mpirun or torchrun launch (`launcher_env.launcher_job_id`),
+        the supervisors of a multi-node torchrun job (one per node). The first to come takes
+        the run with the next epoch; the others, and those that come later while it is live,
+        find their job's token there and share its epoch, and all renew it. A record of their
+        token that is no longer live (the job died) is taken with the next epoch, like any
+        other. A plain launch never releases it: once every rank is gone it lapses (at once on
+        this machine, where the last renewer's pid is seen gone; in `TTL_S` elsewhere).
+        Returns the record taken over (None: none, or joined).
 
         Raises:
-            LeaseHeldError: another live launch holds the run after `wait_s`.
+            LeaseHeldError: another live job holds the run after `wait_s`.
         """
-        return self._take(wait_s, on_wait, take_over=False, join=True)
+        return self._take(wait_s, on_wait, take_over=take_over, join=True)
 
     def _take(self, wait_s: float, on_wait: Callable[[LeaseRecord], None] | None, *,
               take_over: bool, join: bool) -> LeaseRecord | None:
@@ -164,7 +166,7 @@ class RunLease:
             with self._locked():
                 old = self.read()
                 now = self._clock()
-                if join and old is not None and old.token == self.token and not old.released:
+                if join and old is not None and old.token == self.token and old.live(now):
                     self.epoch = old.epoch
                     self._write(LeaseRecord(self.epoch, self.holder, self.token, now))
                     return None

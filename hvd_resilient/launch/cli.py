@@ -350,6 +350,12 @@ def take_run(opts: dict[str, Any], token: str) -> Renewal:
     from hvd_resilient.checkpoint.fence import raise_fence
     from hvd_resilient.checkpoint.stores import StoreError, open_store
 
+    # A multi-node torchrun job runs one supervisor per node, all on one run: they share the
+    # lease under the job's name (its run id and rendezvous endpoint), with one epoch.
+    nodes = str(opts.get("nnodes") or "1").split(":")[-1]
+    shared = opts["launcher"] == "torchrun" and int(nodes) > 1
+    if shared:
+        token = f"torchrun:{opts['run_id']}:{opts['rdzv_endpoint']}"
     lease = RunLease(opts["run_dir"], token)
 
     def waiting(old: LeaseRecord) -> None:
@@ -358,8 +364,8 @@ def take_run(opts: dict[str, Any], token: str) -> Renewal:
               "to end (--take-over takes the run from it)", file=sys.stderr, flush=True)
 
     try:
-        old = lease.acquire(wait_s=opts["lease_wait"], take_over=opts["take_over"],
-                            on_wait=waiting)
+        take = lease.join_or_take if shared else lease.acquire
+        old = take(wait_s=opts["lease_wait"], take_over=opts["take_over"], on_wait=waiting)
     except LeaseHeldError as e:
         raise LaunchError(f"{e}; stop it first, or pass --take-over to take the run from it "
                           "(its checkpoints are refused from then on)") from None

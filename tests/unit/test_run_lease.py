@@ -59,3 +59,16 @@ def test_the_store_refuses_a_checkpoint_of_a_displaced_epoch(tmp_path):
     with pytest.raises(CheckpointFencedError, match="taken over by epoch 2"):
         mgr.save(20, 0, 1, {"state.pt": b"y"})
     assert [c.step for c in CheckpointManager(url).scan().checkpoints] == [10]
+
+
+def test_the_processes_of_one_job_share_its_epoch_and_a_dead_jobs_name_is_not_joined(tmp_path):
+    now = [1000.0]
+    first = RunLease(tmp_path, "torchrun:r:h:29400", clock=lambda: now[0])
+    assert first.join_or_take(wait_s=0) is None and first.epoch == 1
+    node = RunLease(tmp_path, "torchrun:r:h:29400", clock=lambda: now[0])
+    assert node.join_or_take(wait_s=0) is None and node.epoch == 1
+    with pytest.raises(LeaseHeldError):  # another job waits, as it would for any live holder
+        RunLease(tmp_path, "torchrun:other", clock=lambda: now[0]).join_or_take(wait_s=0)
+    now[0] += TTL_S + 0.1  # the job died: the same name relaunched is a new epoch
+    again = RunLease(tmp_path, "torchrun:r:h:29400", clock=lambda: now[0])
+    assert again.join_or_take(wait_s=0) is not None and again.epoch == 2
