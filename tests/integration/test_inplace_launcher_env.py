@@ -15,9 +15,11 @@ from tests.support.jobs import PYTHON
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 SAY = """
+import os
 from hvd_resilient.launcher_env import launcher_rank, launcher_size
-print(f"place {launcher_rank()} {launcher_size()}", flush=True)
+os.write(1, f"place {launcher_rank()} {launcher_size()}\\n".encode())
 """
+# (one write a line: two workers' prints interleaved on one line in CI)
 
 # Member 0 fails at once; the others report it as the in-place backend does and wait for the
 # generation without it, then say where they are in it.
@@ -30,7 +32,7 @@ if os.environ[MEMBER_ENV] == "0":
 m = Membership(30.0)
 m.report_fault(0)
 g = m.wait_beyond(0)
-print(f"place {launcher_rank()} {launcher_size()} generation {g}", flush=True)
+os.write(1, f"place {launcher_rank()} {launcher_size()} generation {g}\\n".encode())
 """
 
 
