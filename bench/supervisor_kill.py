@@ -5,7 +5,7 @@ Side by side, on each launcher, with examples/digits.py training on 2 ranks (one
 - `ours`: `hvd-resilient run --launcher L` is SIGKILLed; its guard (`launch/job_guard.py`)
   ends every process that carries the job's token. Measured: kill -> no process of the job
   left (the token scanned in /proc every 10 ms).
-- `vanilla`: the plain launcher (`horovodrun`, `mpirun`, `torchrun --standalone`) is
+- `plain`: the plain launcher (`horovodrun`, `mpirun`, `torchrun --standalone`) is
   SIGKILLed, as an OOM killer or a lost shell would. Measured the same way (every process that
   carries the run's marker), capped at `--cap` seconds: "still running" past it.
 - `relaunch` (ours, in place): the supervisor SIGKILLed and the same command started at once;
@@ -97,7 +97,7 @@ def _command(stack: str, launcher: str, run: Path) -> list[str]:
         return ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2",
                 "-x", MARK, "-x", "PYTHONPATH", *_train_args(run)]
     return [str(VENV_BIN / "torchrun"), "--standalone", "--nproc-per-node", "2",
-            *_train_args(run)]
+            *_train_args(run)[1:]]  # torchrun runs the script with its own python
 
 
 def _start(cmd: list[str], run: Path, mark: str) -> subprocess.Popen[bytes]:
@@ -207,7 +207,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="hvdr-supkill-"))
     rows: list[dict[str, Any]] = []
     for launcher in args.launchers.split(","):
-        for stack in ("ours", "vanilla") if launcher != "inplace" else ("ours",):
+        for stack in ("ours", "plain") if launcher != "inplace" else ("ours",):
             for _ in range(args.repeats):
                 r = outlive(stack, launcher, work, args.cap)
                 print(json.dumps(r), flush=True)
@@ -221,7 +221,7 @@ def main() -> int:
           "still running after the cap | checkpoints written after the kill |")
     print("| --- | --- | --- | --- | --- | --- |")
     for launcher in args.launchers.split(","):
-        for stack in ("ours", "vanilla"):
+        for stack in ("ours", "plain"):
             rs = [r for r in rows if r["launcher"] == launcher and r["stack"] == stack
                   and "error" not in r]
             if not rs:
