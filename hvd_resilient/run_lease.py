@@ -6,8 +6,9 @@ publishing keeps them from overwriting each other. A launch therefore takes the 
 
 - a lease whose holder renewed it within `TTL_S` belongs to a live job. A relaunch waits for it
   (bounded) or, told to, takes the run over;
-- a lease not renewed for `TTL_S`, one released, or one whose holder process is gone from this
-  host (its pid and start time no longer match), is free: a dead job costs seconds, not minutes;
+- a lease not renewed for `TTL_S`, one released, or one whose holder process is seen gone (same
+  kernel and namespaces; its pid and start time no longer match), is free: a dead job costs
+  seconds, not minutes;
 - every take raises the epoch by one. The new epoch is written to the checkpoint store as its
   fence (`checkpoint/fence.py`) and given to the workers; a checkpoint published under an older
   epoch is refused, so a job that was taken over can no longer change what the run keeps.
@@ -30,6 +31,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from hvd_resilient.detect.heartbeat import ENDED, process_stat, this_view
+
 logger = logging.getLogger(__name__)
 
 LEASE_FILE = "lease.json"
@@ -39,52 +42,58 @@ RENEW_S = 1.0
 
 
 def _start_time(pid: int) -> str:
-    """The process's start time in clock ticks since boot ('' when it is gone): with the pid it
-    names one process, whatever pid reuse does."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return ""
-    return stat[stat.rfind(b")") + 2:].split()[19].decode()
+    """The process's start time in clock ticks since boot ('' when it is gone or ended): with
+    the pid it names one process, whatever pid reuse does."""
+    fields = process_stat(pid)  # the state letter first: proc(5) field 3; starttime is 22
+    return fields[19] if len(fields) > 19 and fields[0] not in ENDED else ""
 
 
 def this_process() -> str:
-    """`host:pid:start`, the holder name of the calling process."""
-    return f"{socket.gethostname()}:{os.getpid()}:{_start_time(os.getpid())}"
+    """`view|pid|start`, the holder name of the calling process: the view (kernel, pid, network
+    and host-name namespaces: `detect.heartbeat.this_view`) says whether another process can
+    look it up in its own /proc, which a host name cannot (containers and namespace hosts share
+    one kernel, and a name can repeat)."""
+    pid = os.getpid()
+    return f"{this_view()}|{pid}|{_start_time(pid)}"
 
 
 @dataclass
 class LeaseRecord:
     epoch: int
     holder: str
-    """`host:pid:start` of the supervisor that holds it."""
+    """`view|pid|start` of the process that holds it (`this_process`)."""
     token: str
     """The job token of the holder (`launch/job_guard.JOB_ENV`): what marks its processes."""
     renewed: float
     released: bool = False
+    host: str = ""
+    """The holder's host name, for messages only."""
 
     def live(self, now: float) -> bool:
-        """Whether a live job holds it. A holder on this host is checked directly; one on
-        another host by the age of its last renewal."""
-        if self.released or now - self.renewed > TTL_S:
-            return False
-        host, _, rest = self.holder.partition(":")
-        pid, _, start = rest.partition(":")
-        if host == socket.gethostname() and pid.isdigit():
-            return _start_time(int(pid)) == start
-        return True
+        """Whether a live job holds it: renewed within `TTL_S`, not released, and its holder
+        not seen gone (`holder_gone`; a holder this process cannot look up counts as live)."""
+        return not self.released and now - self.renewed <= TTL_S and not self.holder_gone()
 
-    def holder_gone_from(self, host: str) -> bool:
-        """Whether the holder ran on `host` and its process is gone (pid and start time)."""
-        h, _, rest = self.holder.partition(":")
-        pid, _, start = rest.partition(":")
-        return h == host and pid.isdigit() and _start_time(int(pid)) != start
+    def holder_gone(self) -> bool:
+        """Whether the holder shares this process's view and its pid and start time no longer
+        name a running process (gone, a zombie, or the pid reused)."""
+        view, _, rest = self.holder.partition("|")
+        pid, _, start = rest.partition("|")
+        return (bool(view) and view == this_view() and pid.isdigit()
+                and _start_time(int(pid)) != start)
 
     def describe(self, now: float) -> str:
-        host, _, rest = self.holder.partition(":")
-        return (f"epoch {self.epoch}, supervisor pid {rest.partition(':')[0]} on {host}, "
+        pid = self.holder.split("|")[1] if self.holder.count("|") == 2 else "?"
+        return (f"epoch {self.epoch}, pid {pid} on {self.host or 'an unknown host'}, "
                 f"renewed {max(0.0, now - self.renewed):.1f} s ago")
+
+
+def read_record(path: str | os.PathLike[str]) -> LeaseRecord | None:
+    """The record at `path` as it is now (None: never taken, or unreadable)."""
+    try:
+        return LeaseRecord(**json.loads(Path(path).read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
 
 
 class LeaseHeldError(Exception):
@@ -119,11 +128,11 @@ class RunLease:
 
     def read(self) -> LeaseRecord | None:
         """The record as it is now (None: never taken, or unreadable: treated as free)."""
-        try:
-            raw = json.loads(self.path.read_text())
-            return LeaseRecord(**raw)
-        except (OSError, ValueError, TypeError):
-            return None
+        return read_record(self.path)
+
+    def _record(self, now: float) -> LeaseRecord:
+        """This process holding the lease at this epoch, renewed `now`."""
+        return LeaseRecord(self.epoch, self.holder, self.token, now, host=socket.gethostname())
 
     def _write(self, record: LeaseRecord) -> None:
         tmp = self.path.with_name(f".{LEASE_FILE}.{os.getpid()}")
@@ -168,11 +177,11 @@ class RunLease:
                 now = self._clock()
                 if join and old is not None and old.token == self.token and old.live(now):
                     self.epoch = old.epoch
-                    self._write(LeaseRecord(self.epoch, self.holder, self.token, now))
+                    self._write(self._record(now))
                     return None
                 if old is None or take_over or not old.live(now):
                     self.epoch = (old.epoch if old else 0) + 1
-                    self._write(LeaseRecord(self.epoch, self.holder, self.token, now))
+                    self._write(self._record(now))
                     return old
             if time.monotonic() >= deadline:
                 raise LeaseHeldError(f"run {self.folder} is held by a live job "
@@ -193,7 +202,7 @@ class RunLease:
             rec = self.read()
             if rec is not None and rec.epoch > self.epoch:
                 raise LeaseLostError(f"run {self.folder} was taken over: {rec.describe(now)}")
-            self._write(LeaseRecord(self.epoch, self.holder, self.token, now))
+            self._write(self._record(now))
 
     def release(self) -> None:
         """Frees the lease at once for the next launch (only while this epoch holds it)."""
@@ -245,11 +254,8 @@ def watch_lease(run_dir: str | os.PathLike[str], epoch: int,
     def watch() -> None:
         while True:
             time.sleep(every_s)
-            try:
-                rec = LeaseRecord(**json.loads(path.read_text()))
-            except (OSError, ValueError, TypeError):
-                continue
-            if rec.epoch > epoch:
+            rec = read_record(path)
+            if rec is not None and rec.epoch > epoch:
                 on_lost(rec)
                 return
 

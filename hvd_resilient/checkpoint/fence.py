@@ -33,16 +33,17 @@ def read_fence(store: CheckpointStore) -> int:
     """The fence's epoch (0: none was set)."""
     try:
         raw = json.loads(bytes(store.get(FENCE_KEY)))
-    except StoreNotFoundError:
-        return 0
-    except ValueError:
+    except (StoreNotFoundError, ValueError):  # never set, or not ours to read
         return 0
     return int(raw.get("epoch", 0)) if isinstance(raw, dict) else 0
 
 
 def raise_fence(store: CheckpointStore, epoch: int) -> None:
-    """Sets the fence to `epoch` (never lowers it). Called under the run's lease lock, so no
-    two launches raise it at once."""
+    """Sets the fence to `epoch` unless it is already there or higher. A read, then a write:
+    not atomic. Two launches that took the run within milliseconds of each other could, in the
+    worst interleaving, leave the older epoch; the older job still stops within a second
+    (its lease watch or renewal sees the newer epoch), so this bounds, not prevents, what it
+    could publish in that window. A store with conditional writes could close it."""
     if read_fence(store) < epoch:
         store.put(FENCE_KEY, json.dumps({"epoch": epoch}).encode())
 

@@ -11,7 +11,6 @@ raised into training.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
 import time
@@ -25,7 +24,7 @@ from hvd_resilient.checkpoint.fence import CheckpointFencedError
 from hvd_resilient.checkpoint.manager import CheckpointManager
 from hvd_resilient.checkpoint.manifest import CheckpointInfo, step_dir
 from hvd_resilient.checkpoint.serialize import to_buffer
-from hvd_resilient.errors import FATAL_EXIT_CODE, one_line
+from hvd_resilient.errors import FATAL_EXIT_CODE, exit_now, one_line
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +32,7 @@ def stop_fenced(e: CheckpointFencedError) -> None:
     """Ends this process at once (from the writer's thread, wherever training is): exit 78, a
     fault no restart fixes, so that no supervisor relaunches the displaced job."""
     print(f"hvd-resilient: stopping: {e}", file=sys.stderr, flush=True)
-    os._exit(FATAL_EXIT_CODE)
+    exit_now(FATAL_EXIT_CODE)
 
 
 #: ``{file name: object}``; bytes-like values are stored as is, others go through torch.save.

@@ -375,7 +375,7 @@ def take_run(opts: dict[str, Any], token: str) -> Renewal:
         lease.release()
         raise LaunchError(f"checkpoint store {mask_url(opts['checkpoint'])}: cannot set the "
                           f"run's fence: {e}") from None
-    if old is not None and old.token and old.holder_gone_from(socket.gethostname()):
+    if old is not None and old.token and old.holder_gone():
         end_job(old.token)
     return Renewal(lease)
 

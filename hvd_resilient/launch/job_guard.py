@@ -18,7 +18,8 @@ again and again until a scan finds none (a process forking as it is scanned is f
 scan), and writes one `job_ended_with_supervisor` event to the run's log.
 
 Processes on other hosts carry the token too (the launchers forward `HVD_RESILIENT_*`), but no
-guard runs there: they end through their lifeline to the supervisor (`launch/lifeline.py`).
+guard runs there: a Horovod worker ends when its driver watch finds the driver gone
+(`backends/horovod/driver_watch.py`, about 5 s), an Open MPI rank when its orted loses mpirun.
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ def job_pids(token: str, proc: str = "/proc") -> list[int]:
 
 def end_job(token: str, scan_for_s: float = SCAN_FOR_S) -> int:
     """SIGKILLs every process of the job on this machine; returns how many were signalled.
-    Scans until one scan finds none, or `scan_for_s` has passed. A zombie
-    has no environment left to read, so the ended are never waited for."""
+    Scans until one scan finds none, or `scan_for_s` has passed. A zombie has no environment
+    left to read, so the ended are never waited for."""
     killed: set[int] = set()
     deadline = time.monotonic() + scan_for_s
     while True:

@@ -37,11 +37,11 @@ def problems(jobs: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def line(jobs: list[dict[str, Any]]) -> str | None:
-    """The report's line (None: one job, or none that says its epoch)."""
+def line(jobs: list[dict[str, Any]], together: list[str]) -> str | None:
+    """The report's line (None: one job, or none that says its epoch); `together`: the
+    `problems` of the same jobs."""
     if len(jobs) < 2:
         return None
-    together = problems(jobs)
     epochs = ", ".join(str(j["lease_epoch"]) for j in jobs)
     return f"{len(jobs)} (lease epochs {epochs}), " + (
         "some trained at the same time" if together else "one at a time")

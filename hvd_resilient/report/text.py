@@ -164,10 +164,11 @@ def render(r: Report, source: str = "") -> str:
             f"{dur(rs['startup_s'])}, resumed from step {rs['from_step']}"
             + (f" ({rs['source']})" if rs.get("source") else "") + ", "
             f"{rs['steps_lost']} steps redone")))
-    jobs_line = jobs.line(r.jobs)
+    together = jobs.problems(r.jobs)
+    jobs_line = jobs.line(r.jobs, together)
     if jobs_line:
         out.append(_line("jobs", jobs_line))
-    out += [_line("PROBLEM", p) for p in jobs.problems(r.jobs)]
+    out += [_line("PROBLEM", p) for p in together]
     label = ""
     for kind, text in data.lines(r.data_epochs):  # the first data row is labelled, as above
         out.append(_line(kind if kind == "PROBLEM" or kind != label else "", text))

@@ -10,12 +10,11 @@ checkpoints, so two launches never train on one run.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
 from hvd_resilient.config import TrainConfig
-from hvd_resilient.errors import FATAL_EXIT_CODE, LaunchError
+from hvd_resilient.errors import FATAL_EXIT_CODE, LaunchError, exit_now
 from hvd_resilient.events import EventLog
 from hvd_resilient.launcher_env import launcher_job_id
 from hvd_resilient.run_lease import LeaseHeldError, LeaseRecord, Renewal, RunLease, watch_lease
@@ -68,7 +67,7 @@ def stop_when_taken_over(cfg: TrainConfig, events: EventLog, renewal: Renewal | 
             f"the run was taken over by lease epoch {what.epoch} ({what.describe(time.time())})"
         events.emit("lease_lost", error=why)
         print(f"hvd-resilient: stopping: {why}", file=sys.stderr, flush=True)
-        os._exit(FATAL_EXIT_CODE)
+        exit_now(FATAL_EXIT_CODE)
 
     if renewal is not None:
         renewal.on_lost = lost  # this process renews the lease: a failed renewal tells
