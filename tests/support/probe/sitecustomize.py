@@ -27,10 +27,9 @@ def _install() -> None:
 
     def _record(dist_mod) -> None:  # type: ignore[no-untyped-def]
         import gc
+        import warnings
 
         from torch.nn.parallel import DistributedDataParallel
-
-        import warnings
 
         h = hashlib.sha256()
         with warnings.catch_warnings():  # isinstance on torch's deprecated module objects
