@@ -34,6 +34,7 @@ from hvd_resilient.launch.horovod import warm_pool
 from hvd_resilient.launch.horovod.command import ElasticLaunch, horovodrun_command
 from hvd_resilient.launch.horovod.standby import runnable_here
 from hvd_resilient.launch.horovod.warm_pool_server import Started
+from hvd_resilient.launch.interpreter import check_interpreter, workers_command
 from hvd_resilient.launch.job_guard import JOB_ENV, end_job
 from hvd_resilient.launch.run_options import LAUNCHERS, RUN
 from hvd_resilient.launch.supervisor import Supervisor
@@ -126,7 +127,7 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser | None = N
         cmd = cmd[1:]
     if not cmd:
         raise ConfigError("run: no training command; add it after --, e.g. -- python train.py")
-    opts["command"] = cmd
+    opts["command"] = workers_command(cmd)
     if opts.get("discovery") and opts.get("hosts"):
         raise ConfigError("run: give --hosts or --discovery, not both")
     if opts.get("discovery") and opts["launcher"] != "horovod":
@@ -414,6 +415,7 @@ def main(argv: list[str]) -> int:
         check_discovery(opts["discovery"])
     if opts.get("hosts"):
         check_hosts_reachable(parse_hosts(opts["hosts"]), opts["ssh_port"])
+    check_interpreter(opts["command"])
     check_store(opts["checkpoint"])
     Path(opts["run_dir"]).mkdir(parents=True, exist_ok=True)
     renewal = take_run(opts, env[JOB_ENV])  # before anything is written to the run

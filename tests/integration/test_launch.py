@@ -382,3 +382,26 @@ def test_demo_plays_its_whole_script_however_fast_training_is(tmp_path, jobs):
     assert len(done) == 2 and len({e["params_sha256"] for e in done}) == 1
     assert {e["step"] for e in done} == {final[-1]}
     assert list((run / "checkpoints").glob("step-*/manifest.json"))
+
+
+def test_python_is_this_environments_without_the_venv_on_path(tmp_path):
+    """`-- python ...` with the venv not activated: the workers still run in it (they used to
+    start the system's Python and fail at `import torch`), and an interpreter named by a path
+    that lacks the project is refused before anything starts, in one line."""
+    env = dict(os.environ, PATH="/usr/bin:/bin")
+    seen = tmp_path / "python.txt"  # a file: mpirun's tagged stdout may split a line
+    probe = f"import sys, torch, hvd_resilient; open({str(seen)!r}, 'w').write(sys.executable)"
+    r = cli("run", "--launcher", "mpi", "--np", "1", "--run-dir", str(tmp_path / "a"), "--",
+            "python", "-c", probe, env=env, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert seen.read_text() == PYTHON
+    bare = tmp_path / "python3"  # a real interpreter that cannot see site-packages
+    bare.write_text(f"#!/bin/sh\nexec {PYTHON} -S -I \"$@\"\n")
+    bare.chmod(0o755)
+    r = cli("run", "--launcher", "mpi", "--np", "1", "--run-dir", str(tmp_path / "b"), "--",
+            str(bare), "-c", probe, env=env, timeout=120)
+    assert r.returncode != 0
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "cannot import torch" in lines[0], r.stderr
+    assert not (tmp_path / "b" / "events.jsonl").exists() or "launch" not in \
+        (tmp_path / "b" / "events.jsonl").read_text()
