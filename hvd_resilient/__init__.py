@@ -16,6 +16,7 @@ _LAZY = {
     "TrainConfig": "hvd_resilient.config",
     "ConfigError": "hvd_resilient.errors",
     "ElasticDataSampler": "hvd_resilient.state.sampler",
+    "DistributedSampler": "hvd_resilient.backends.horovod.sampler",
     "ElasticState": "hvd_resilient.backends.horovod.state",
     "run": "hvd_resilient.backends.horovod.run",
     "Trainer": "hvd_resilient.training.trainer",

@@ -53,7 +53,10 @@ class ProgressWatchdog:
     def __init__(self, *, run_dir: str, rank: Callable[[], int], emit: Callable[..., Any],
                  timeout_s: float = 0.0, floor_s: float = 30.0, factor: float = 10.0,
                  first_step_s: float = FIRST_STEP_S, poll_s: float = 0.1,
-                 on_hang: Callable[[], None] | None = None) -> None:
+                 on_hang: Callable[[], None] | None = None,
+                 diagnose: Callable[[], str] | None = None) -> None:
+        """``diagnose``: asked once, when the watchdog fires, for a known cause of the hang
+        ("" when it sees none); its answer goes on the rank's one line and on the event."""
         self.run_dir = Path(run_dir)
         self.rank = rank
         self.emit = emit
@@ -70,6 +73,8 @@ class ProgressWatchdog:
         self._poke = threading.Event()  # a new budget to sleep towards, or the stop
         self._thread: threading.Thread | None = None
         self._waiting = False
+        self._waiting_on = ""  # what this rank waits for, when the loop said
+        self.diagnose = diagnose
         self.fired = False
 
     # -- what the training loop calls ---------------------------------------------------
@@ -87,6 +92,7 @@ class ProgressWatchdog:
     def section(self, name: str, budget_s: float | None) -> Iterator[None]:
         """A phase that is not a step, with its own budget (None: unbounded, e.g. waiting for
         a reset). The step budget starts afresh when it ends."""
+        self.end_wait()  # a wait that raised without ending (a failed collective) is over
         with self._lock:
             outer = self._section
             self._section, self._last = (name, budget_s), time.monotonic()
@@ -99,9 +105,10 @@ class ProgressWatchdog:
             self._poke.set()
 
     @contextlib.contextmanager
-    def waiting_for_peers(self) -> Iterator[None]:
-        """Around the part of a step that blocks on the other ranks (see the module doc)."""
-        self._waiting = True
+    def waiting_for_peers(self, what: str = "") -> Iterator[None]:
+        """Around the part of a step that blocks on the other ranks (see the module doc);
+        ``what`` names it on the line a hang writes."""
+        self.begin_wait(what)
         try:
             yield
         except BaseException:
@@ -111,7 +118,15 @@ class ProgressWatchdog:
                 self._last = time.monotonic()
             raise
         finally:
-            self._waiting = False
+            self.end_wait()
+
+    def begin_wait(self, what: str = "") -> None:
+        """`waiting_for_peers` for hooks that cannot wrap the wait (an optimizer's step
+        pre-hook); `end_wait` ends it."""
+        self._waiting_on, self._waiting = what, True
+
+    def end_wait(self) -> None:
+        self._waiting = False
 
     def budget(self) -> tuple[str, float | None]:
         """The current phase and how long it may go without progress."""
@@ -159,13 +174,24 @@ class ProgressWatchdog:
         self.fired = True
         rank = self.rank()
         path = self.dump_stacks(rank)
+        on = self._waiting_on if self._waiting else ""
+        cause = self._diagnosis()
         self.emit("hang_detected", section=name, idle_seconds=round(idle, 3),
                   budget_seconds=round(budget, 3), stacks=str(path) if path else None,
-                  exit_code=HUNG_EXIT_CODE)
-        logger.error("rank %s made no progress for %.1fs in %s (budget %.1fs); stacks in %s; "
-                  "ending this rank so the job recovers now", rank, idle, name or "a step",
-                  budget, path or "(not written)")
+                  exit_code=HUNG_EXIT_CODE, waiting_on=on or None, cause=cause or None)
+        logger.error("rank %s made no progress for %.1fs in %s%s (budget %.1fs)%s; stacks in "
+                     "%s; ending this rank so the job recovers now", rank, idle,
+                     name or "a step", f", waiting on {on}" if on else "", budget,
+                     f"; likely cause: {cause}" if cause else "", path or "(not written)")
         self.on_hang()
+
+    def _diagnosis(self) -> str:
+        if self.diagnose is None:
+            return ""
+        try:
+            return self.diagnose()
+        except Exception as e:  # a diagnosis must never stop the rank from ending
+            return f"(the diagnosis failed: {type(e).__name__}: {e})"
 
     def dump_stacks(self, rank: int) -> Path | None:
         """Every thread's Python stack, written with faulthandler (no locks taken: it works
@@ -204,6 +230,30 @@ def declared_section() -> str:
         return ""
     with dog._lock:
         return dog._section[0]
+
+
+def installed() -> ProgressWatchdog | None:
+    """The process's watchdog (None: none): a loop runner that finds one installed knows
+    its caller (the Trainer) watches progress itself."""
+    return _current
+
+
+def made() -> None:
+    """Progress (`ProgressWatchdog.step`) on the installed watchdog; nothing when none."""
+    dog = _current
+    if dog is not None:
+        dog.step()
+
+
+@contextlib.contextmanager
+def waiting(what: str) -> Iterator[None]:
+    """`ProgressWatchdog.waiting_for_peers` of the installed watchdog; nothing when none."""
+    dog = _current
+    if dog is None:
+        yield
+        return
+    with dog.waiting_for_peers(what):
+        yield
 
 
 @contextlib.contextmanager

@@ -163,6 +163,10 @@ class Report:
     the run at once."""
     jobs: list[dict[str, Any]] = field(default_factory=list)
     """The jobs that trained on the run, one per lease epoch (`jobs.jobs_of`)."""
+    step_unit: str = "step"
+    """What the log's `step` counts: "step" (optimizer steps), or "commit" where a custom loop
+    never advanced `state.step` and the state counted its commits instead (`step_unit` on
+    its events): steps redone are then commits redone."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -540,5 +544,14 @@ def analyze(raw: Iterable[Event], now: float | None = None,
         stragglers=stragglers, straggler_rule=straggler_rule(config),
         step_times=step_times_of(events, t0),
         data_epochs=epochs, problems=data.problems(epochs) + jobs.problems(ran),
-        jobs=ran,
+        jobs=ran, step_unit=step_unit_of(events),
     )
+
+
+def step_unit_of(events: list[Event]) -> str:
+    """The unit the newest event that names one names ("step" when none does)."""
+    for e in reversed(events):
+        unit = e.get("step_unit")
+        if unit in ("step", "commit"):
+            return str(unit)
+    return "step"

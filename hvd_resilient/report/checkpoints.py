@@ -134,8 +134,12 @@ def _step_reached(events: list[Event], step: int) -> float | None:
 
 def current_step(events: list[Event]) -> int:
     """The state's step at the last event (`step`; in older logs a checkpoint event's `step`
-    was its snapshot's, so those are passed over)."""
+    was its snapshot's, so those are passed over). The launcher's own events (rank -1: the
+    supervisor's `launcher_exit`, the driver's) hold no state and say step 0: passed over
+    too, or every finished run read "at step 0"."""
     for e in reversed(events):
+        if e.get("rank", 0) < 0:
+            continue
         if not e["event"].startswith("checkpoint_") or "ckpt_step" in e:
             return e["step"]
     return events[-1]["step"] if events else 0

@@ -49,8 +49,13 @@ def _summary(label: str, s: Summary) -> str:
     return f"{label} {dur(s.median)} median, {dur(s.max)} max"
 
 
+def _unit(r: Report) -> str:
+    """"step", or "commit" where the run's steps are its commits (`Report.step_unit`)."""
+    return "commit" if r.step_unit == "commit" else "step"
+
+
 def _status(r: Report) -> str:
-    where = f"step {r.final_step}"
+    where = f"{_unit(r)} {r.final_step}"
     if r.status == "finished":
         text = f"finished at {where}"
     elif r.status == "failed":
@@ -147,7 +152,7 @@ def render(r: Report, source: str = "") -> str:
     resumed = f" ({r.resumes} from a checkpoint)" if r.restarts else ""
     out.append(_line("failures", (
         f"{len(r.failures)}; resets {r.resets}; full restarts {len(r.restarts)}{resumed}; "
-        f"steps redone {r.steps_lost}")))
+        f"{_unit(r)}s redone {r.steps_lost}")))
     if r.failures:
         out += _failure_rows(r.failures)
         m = r.mttr
@@ -161,9 +166,9 @@ def render(r: Report, source: str = "") -> str:
     for rs in r.restarts:
         out.append(_line("restart", (
             f"at {dur(rs['after_s'])} ({rs['reason']}): down {dur(rs['down_s'])}, start-up "
-            f"{dur(rs['startup_s'])}, resumed from step {rs['from_step']}"
+            f"{dur(rs['startup_s'])}, resumed from {_unit(r)} {rs['from_step']}"
             + (f" ({rs['source']})" if rs.get("source") else "") + ", "
-            f"{rs['steps_lost']} steps redone")))
+            f"{rs['steps_lost']} {_unit(r)}s redone")))
     together = jobs.problems(r.jobs)
     jobs_line = jobs.line(r.jobs, together)
     if jobs_line:

@@ -29,6 +29,7 @@ from hvd_resilient.backends.horovod import (
     pinned_handles,
     slots,
 )
+from hvd_resilient.backends.horovod.ported import PortedLoop, recovery_options
 from hvd_resilient.backends.horovod.state import ElasticState, is_elastic
 from hvd_resilient.backends.threads import share_cores
 from hvd_resilient.detect import Detectors, gloo_watch, hangup, progress
@@ -45,19 +46,43 @@ HEARTBEAT_TIMEOUT_S = 1.5
 
 
 def run(func: Callable[..., T] | None = None, *,
-        heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S) -> Any:
+        heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
+        progress_timeout_s: float | None = None) -> Any:
     """Decorates `train(state, ...)`; the function must not start with a collective.
-    `@run` or `@run(heartbeat_timeout_s=...)` (0: no heartbeats)."""
+    `@run`, or `@run(heartbeat_timeout_s=..., progress_timeout_s=...)`: heartbeats (0: none);
+    the progress budget of a loop of your own (`ported.py`): seconds without an
+    `optimizer.step()` or a commit before a rank is declared hung (0: adaptive; None: the
+    `HVD_RESILIENT_RECOVERY_PROGRESS_TIMEOUT_SECONDS` setting, adaptive by default)."""
     if func is None:
-        return functools.partial(run, heartbeat_timeout_s=heartbeat_timeout_s)
+        return functools.partial(run, heartbeat_timeout_s=heartbeat_timeout_s,
+                                 progress_timeout_s=progress_timeout_s)
+    if progress_timeout_s is not None and progress_timeout_s < 0:
+        raise ValueError(f"hvd_resilient.run: progress_timeout_s must be >= 0 (0: adaptive), "
+                         f"got {progress_timeout_s}")
 
     @functools.wraps(func)
     def wrapper(state: ElasticState, *args: Any, **kwargs: Any) -> T:
         train = functools.partial(func, state, *args, **kwargs)
         pinned_handles.install()  # the user's own hvd.init() made a plain map
-        if not is_elastic():  # mpirun, srun: a silent peer ends this worker, and so the job
-            return _run_static(train, state, heartbeat_timeout_s)
-        return _run_elastic(train, state, heartbeat_timeout_s)
+        # A caller that installed a watchdog (the Trainer) writes start/done and counts steps
+        # itself; a loop of the user's own gets ours (ported.py).
+        loop = None
+        if progress.installed() is None:
+            loop = PortedLoop(state, recovery_options(
+                progress_timeout_s=progress_timeout_s)).begin()
+        elif getattr(state, "step_unit", "step") is None:
+            state.step_unit = "step"
+        try:
+            if not is_elastic():  # mpirun, srun: a silent peer ends this worker, and the job
+                result = _run_static(train, state, heartbeat_timeout_s)
+            else:
+                result = _run_elastic(train, state, heartbeat_timeout_s)
+            if loop is not None:
+                loop.done()
+            return result
+        finally:
+            if loop is not None:
+                loop.close()
 
     return wrapper
 
@@ -142,7 +167,9 @@ def _finish(detectors: Detectors) -> None:
     """Nobody may leave (and hang up on a still-watching peer) before everyone stopped
     watching: disarm, then meet once more."""
     detectors.disarm()
-    hvd.allreduce(torch.zeros(1), name="hvd_resilient.done")
+    with progress.waiting("the other ranks to finish (this rank's loop returned, theirs did "
+                          "not: did the ranks' epochs have different lengths?)"):
+        hvd.allreduce(torch.zeros(1), name="hvd_resilient.done")
 
 
 def _recover(e: HorovodInternalError, state: ElasticState, w: _Watch) -> float:

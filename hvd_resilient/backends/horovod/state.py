@@ -15,6 +15,7 @@ in Horovod's documentation, the sampler (ours, or Horovod's `ElasticSampler`) is
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,7 @@ from horovod.torch.elastic.state import StateHandler, TorchState
 
 from hvd_resilient.backends.horovod.added_hosts import AddedHostsHold
 from hvd_resilient.backends.horovod.collectives import HorovodCollectives
+from hvd_resilient.detect import progress
 from hvd_resilient.events import EventLog
 from hvd_resilient.state.commits import Commit, RngCommit, commit_for
 from hvd_resilient.state.core import InMemoryState, is_stateful
@@ -78,7 +80,15 @@ class ElasticState(InMemoryState, TorchState):
         hold_additions: bool = False,
         **extras: Any,
     ) -> None:
+        if events is None:
+            events = default_event_log()
         self._init_core(seed=seed, lr_scaling=lr_scaling, events=events, extras=extras)
+        self.step_unit: str | None = None
+        """What `step` counts: "step" once the script advanced `state.step` itself (the
+        Trainer does), "commit" when it commits without ever touching it (a Horovod script
+        ported as is: each commit then advances `step` by one, so that events, restores and
+        the report count something), None before the first commit tells which."""
+        self._auto_step = 0  # the step this state last set itself (commit counting)
         if host_check_every < 0:
             raise ValueError(f"host_check_every must be >= 0 (0 turns the check off), "
                              f"got {host_check_every}")
@@ -102,6 +112,9 @@ class ElasticState(InMemoryState, TorchState):
         self._handlers["rng"] = _Slot(RngCommit())
         self._collectives = HorovodCollectives()
         self.register_reset_callbacks([self._forget_host_ask])
+        reset = getattr(sampler, "reset", None)
+        if callable(reset):
+            self.on_sync(reset)  # re-partition for the world the sync just formed
         self._added_hold = AddedHostsHold() if hold_additions else None
         """``hold_additions``: rank 0 holds an added host's reset until the driver's standby
         workers are warm (`added_hosts.py`), so the others train through the newcomers' cold
@@ -117,8 +130,32 @@ class ElasticState(InMemoryState, TorchState):
 
     # -- the elastic protocol -------------------------------------------------------------
     def commit(self) -> None:
+        self._count_commit()
         self._take_commit()
-        self.check_host_updates()
+        with progress.waiting("the host check in state.commit() (a broadcast from rank 0)"):
+            self.check_host_updates()
+        progress.made()
+
+    def _count_commit(self) -> None:
+        """Decides (once) what `step` counts (:attr:`step_unit`), and counts this commit when
+        the script does not count steps itself. Every rank commits at the same point, so every
+        rank counts the same."""
+        if self.step_unit is None:
+            self.step_unit = "commit" if self.step == self._auto_step else "step"
+        if self.step_unit == "commit":
+            self.step += 1
+            self._auto_step = self.step
+
+    def _take_commit(self) -> None:
+        """`InMemoryState._take_commit`, with the step unit on the event when steps are
+        commits (the report then says what its step counts mean)."""
+        self._run_hooks(self._before_commit)
+        t0 = time.perf_counter()
+        self.save()
+        self.last_commit_step = self.step
+        if self._rank() == 0:
+            unit = {"step_unit": "commit"} if self.step_unit == "commit" else {}
+            self.events.emit("commit", seconds=round(time.perf_counter() - t0, 6), **unit)
 
     def check_host_updates(self) -> None:
         """Horovod's, except that rank 0 keeps an addition whose standbys are still warming
@@ -189,6 +226,7 @@ class ElasticState(InMemoryState, TorchState):
     def restore(self) -> None:
         before = self.step
         super().restore()
+        self._auto_step = self.step
         self._restored(before)
 
     def sync(self) -> None:
@@ -213,11 +251,27 @@ class ElasticState(InMemoryState, TorchState):
                 on_riders([r for _, r in riders])
 
         self._agree(self._collectives, rider=(committed, rider), on_riders=gathered)
+        self._auto_step = self.step  # rank 0's count (a newcomer's, a resumed checkpoint's)
         self._after_agreement()
 
     def after_reset(self, fn: Callable[[], None]) -> None:
         """Horovod's reset callbacks (`on_reset()` is Horovod's own: it runs them)."""
         self.register_reset_callbacks([fn])
+
+
+RUN_DIR_ENV = "HVD_RESILIENT_RUN_DIR"
+"""The run folder `hvd-resilient run` gives its workers (`launch.horovod.options.RUN_DIR_ENV`;
+repeated here: backends sit below the launchers and never import them)."""
+
+
+def default_event_log(env: Any = None) -> EventLog:
+    """The run folder's `events.jsonl` when the launcher named one, else a log that writes
+    nothing. A ported Horovod script passes no ``events=``; without this it wrote no events,
+    so the supervisor never relaunched it and `hvd-resilient report` had nothing to read."""
+    run_dir = (os.environ if env is None else env).get(RUN_DIR_ENV, "")
+    if not run_dir:
+        return EventLog(None)
+    return EventLog(os.path.join(run_dir, "events.jsonl"), rank=hvd.rank, size=hvd.size)
 
 
 def is_elastic() -> bool:
