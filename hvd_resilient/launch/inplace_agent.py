@@ -14,7 +14,9 @@ place goes to one of them in the very generation that answers the fault, without
 ended. The members never exceed ``--nproc``. Fewer than ``--min-np`` live workers end the job
 (exit 1), so that `hvd-resilient run` relaunches it from the durable checkpoint. SIGTERM and
 SIGINT are passed on to every worker (the trainer's preemption path: a final checkpoint, exit
-75).
+75). Each worker's stderr passes through the agent, which tells a torchrun script that has not
+adopted `hvd_resilient.inplace` from its traceback and ends the job with one line saying what to
+add (`inplace_unadopted`, exit 78, not relaunched).
 """
 
 from __future__ import annotations
@@ -48,9 +50,14 @@ from hvd_resilient.backends.inplace.membership import (
 from hvd_resilient.cli_errors import exit_on_error
 from hvd_resilient.die_with_parent import die_with_parent
 from hvd_resilient.errors import FATAL_EXIT_CODE, ConfigError
+from hvd_resilient.launch.inplace_unadopted import REFUSAL, StderrWatch
 
 logger = logging.getLogger("hvd_resilient.launch.inplace_agent")  # not __name__: run as __main__
 POLL_S = 0.01
+WATCH_JOIN_S = 1.0
+"""How long the agent waits for the last stderr line of a worker that exited on its own
+(code > 0), where a child of it (a loader worker) still holds the pipe; a killed worker is
+judged at once."""
 
 
 class Agent:
@@ -71,13 +78,20 @@ class Agent:
         self._said_busy: list[int] = []
         self._ended: set[int] = set()
         self._stopping = False
+        self.watches: dict[int, StderrWatch] = {}
+        self.unadopted = False
+        """A worker died of torch's own env:// rendezvous (`inplace_unadopted`): the job ends
+        with one line saying what to add, instead of a generation without it."""
 
     def _start(self, member: int) -> None:
         env = {**os.environ, AGENT_ENV: self.address, MEMBER_ENV: str(member),
                "PYTHONUNBUFFERED": "1"}
         parent = os.getpid()
-        self.alive[member] = subprocess.Popen(self.cmd, env=env,
-                                              preexec_fn=lambda: die_with_parent(parent))
+        p = self.alive[member] = subprocess.Popen(
+            self.cmd, env=env, stderr=subprocess.PIPE,
+            preexec_fn=lambda: die_with_parent(parent))
+        assert p.stderr is not None
+        self.watches[member] = StderrWatch(p.stderr, sys.stderr.fileno())
 
     def _publish(self, members: list[int]) -> None:
         self.generation += 1
@@ -93,6 +107,12 @@ class Agent:
             if rc is None:
                 continue
             del self.alive[m]
+            watch = self.watches.pop(m, None)
+            if watch is not None and rc > 0:  # an exit of its own: maybe after a traceback,
+                watch.join(WATCH_JOIN_S)     # read before the exit is judged (never a signal's)
+                if watch.unadopted:
+                    self.unadopted = True
+                    continue
             if rc == 0:
                 self.finished.add(m)
             else:
@@ -137,6 +157,10 @@ class Agent:
     def _step(self) -> int | None:
         """One look at the workers; an exit code when the job is over."""
         self._reap()
+        if self.unadopted:  # every other worker would fail the same way: no generation
+            for p in self.alive.values():
+                p.kill()
+            raise ConfigError(REFUSAL)
         if not self.alive:
             # a worker's own exit code (78: not to be relaunched), never a signal's negative one
             return 0 if self.finished else max((c for c in self.failed.values() if c > 0),
@@ -202,6 +226,13 @@ class Agent:
         if ready:
             self._publish(sorted([*self.members, *ready]))
 
+    def _finish(self) -> None:
+        """Every worker waited for, and its last lines passed on."""
+        for p in self.alive.values():
+            p.wait()
+        for w in self.watches.values():
+            w.join(WATCH_JOIN_S)
+
     def _forward(self, signum: int, _frame: object) -> None:
         self._stopping = True
         for p in self.alive.values():
@@ -217,10 +248,13 @@ class Agent:
             self._start(m)
         self._publish(list(range(self.nproc)))
         while True:
-            code = self._step()
+            try:
+                code = self._step()
+            except ConfigError:
+                self._finish()
+                raise
             if code is not None:
-                for p in self.alive.values():
-                    p.wait()
+                self._finish()
                 return code
             time.sleep(POLL_S)
 

@@ -28,13 +28,15 @@ def command(*argv: str) -> list[str]:
 def test_run_builds_the_agent_command_line_with_its_sizes():
     cmd = command("--backend", "inplace", "--np", "4", "--min-np", "2")
     line = " ".join(cmd)
-    assert "-m hvd_resilient.launch.inplace_agent --nproc 4 --min-np 2 -- python t.py" in line
+    # a bare `python` is this environment's interpreter (launch/interpreter.py)
+    assert f"-m hvd_resilient.launch.inplace_agent --nproc 4 --min-np 2 -- {sys.executable} t.py" \
+        in line
     assert "--replace --" in " ".join(command("--backend", "inplace", "--replace"))
     with pytest.raises(ConfigError, match="runs its workers on this machine"):
         command("--backend", "inplace", "--hosts", "h1:2")
     with pytest.raises(ConfigError, match="--replace is the inplace launcher's"):
         command("--backend", "torchrun", "--replace")
-    assert "--nproc 4 --min-np 1 --standby 2 -- python t.py" in " ".join(
+    assert f"--nproc 4 --min-np 1 --standby 2 -- {sys.executable} t.py" in " ".join(
         command("--backend", "inplace", "--np", "4", "--standby", "2"))
     with pytest.raises(ConfigError, match="--standby is the inplace launcher's"):
         command("--backend", "horovod", "--standby", "1")

@@ -92,8 +92,13 @@ class InPlaceBackend(Backend):
 
     def __init__(self, pg_timeout_seconds: float = 300.0, heartbeat_timeout_s: float = 1.5,
                  generation_timeout_s: float = 120.0, *, deterministic: bool = False,
-                 fsdp: bool = False) -> None:
+                 fsdp: bool = False, pg_backend: str = "gloo",
+                 reconfigure: bool = False) -> None:
         self.deterministic = deterministic
+        self.pg_backend, self.reconfigure = pg_backend, reconfigure
+        """The groups' torch backend, and whether one group is reconfigured per generation
+        (`inplace.reconfigure`) instead of a new one formed: the DDP adapter
+        (`inplace.ddp`) asks for the latter where torch has it."""
         self.fsdp = fsdp
         """Shard the model (FSDP2), re-sharded at every generation (`inplace.fsdp`): FSDP
         reduces in backward, and every rank loads its shards at a (re)start, as on torchrun."""
@@ -108,7 +113,8 @@ class InPlaceBackend(Backend):
 
     def init(self, comm: Any | None = None) -> None:
         determinism.apply(self.deterministic)
-        m = self.membership = Membership(self.generation_timeout_s)
+        m = self.membership = Membership(self.generation_timeout_s, backend=self.pg_backend,
+                                         reconfigure=self.reconfigure)
         self.coordinator = m.address  # where the memory tier's segment server is reached from
         if self.fsdp and m.joins:
             raise ConfigError("fsdp on the inplace backend takes no replacement or standby "
@@ -248,7 +254,8 @@ class InPlaceBackend(Backend):
         with progress.section("reset", None):
             if after_fault:
                 state.restore()
-            dist.destroy_process_group()  # local: its sockets are shut, nothing to wait for
+            if not m.reconfigure:  # (a reconfigured group is kept: `inplace.reconfigure`)
+                dist.destroy_process_group()  # local: its sockets are shut, nothing to wait for
             if after_fault:
                 m.report_fault(old_gen)
             try:

@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from hvd_resilient.backends import INPLACE_AGENT_ENV
+from hvd_resilient.backends.inplace import reconfigure
 from hvd_resilient.launcher_env import INPLACE_MEMBER_ENV
 
 logger = logging.getLogger(__name__)
@@ -187,8 +188,14 @@ class Fenced(Exception):
 class Membership:
     """A worker's view of the generations (one store connection to the agent)."""
 
-    def __init__(self, timeout_s: float, env: dict[str, str] | None = None) -> None:
+    def __init__(self, timeout_s: float, env: dict[str, str] | None = None, *,
+                 backend: str = "gloo", reconfigure: bool = False) -> None:
         env = dict(os.environ if env is None else env)
+        self.backend = backend
+        """The process groups' torch backend (Gloo unless torch can reconfigure one)."""
+        self.reconfigure = reconfigure
+        """One group reconfigured per generation (`reconfigure.py`, torch >= 2.14), instead
+        of a new group each: the default group outlives the generations."""
         self.me = int(env[MEMBER_ENV])
         self.timeout_s = timeout_s
         self.base = agent_store(env, timeout_s)
@@ -305,7 +312,11 @@ class Membership:
         # collected.
         self.group_store = store
         try:
-            dist.init_process_group("gloo", store=store, rank=self.rank,
+            if self.reconfigure:
+                reconfigure.form(store, self.rank, len(self.members), g, self.backend,
+                                 pg_timeout, self.address[1])
+                return True
+            dist.init_process_group(self.backend, store=store, rank=self.rank,
                                     world_size=len(self.members),
                                     timeout=form if set_timeout else pg_timeout)
         except Exception:
