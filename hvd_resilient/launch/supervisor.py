@@ -4,10 +4,20 @@ cannot fix.
 In-process recovery (Horovod Elastic) covers lost workers; this covers the rest: an MPI job
 that ends when one rank dies, a driver that dies, preemption. Each relaunch resumes from the
 newest durable checkpoint because the training script does so on start. The supervisor
-decides from the run's event log, not from console text: a launch in which no rank wrote a
-`start` event (so nothing says a relaunch would resume), or a rank reported a `fatal` error,
-is not retried. The launcher's output passes through the supervisor (`launcher_output`) only
-so that the message of a launch without events can say what the output showed.
+decides from the run's event log, not from console text: a launch in which no rank got as far
+as training, or a rank reported a `fatal` error, is not retried. "Got as far as training" is
+one of two events of a rank (rank >= 0) in this launch:
+- `start`: the library's trainer began (it resumes from the run's checkpoints);
+- `first_step`: a worker of our torchrun launcher took its first optimizer step
+  (`launch/torchrun_worker.py`), whatever the script: one that writes no events of its own
+  (PyTorch's DDP tutorial keeps its own snapshot) got past its imports, its arguments, its
+  process group and its snapshot, so what failed is not what fails every launch. Whether it
+  resumes is the script's business; the `restart` event says which evidence was used
+  (`evidence`), and such a launch has committed nothing, so the backoff for launches that
+  trained nothing still grows (1, 2, 4 s ...) and --max-restarts still bounds it.
+A script that fails at import writes neither, and is not relaunched. The launcher's output
+passes through the supervisor (`launcher_output`) only so that the message of a launch without
+events can say what the output showed.
 """
 
 from __future__ import annotations
@@ -27,12 +37,22 @@ from hvd_resilient.events import EventLog, read_events
 from hvd_resilient.fatal_events import fatal_events
 from hvd_resilient.launch.job_guard import JOB_ENV, Guard, end_job
 from hvd_resilient.launch.launcher_output import OutputFacts, Tee
+from hvd_resilient.launch.torchrun_worker import FIRST_STEP
 from hvd_resilient.run_lease import Renewal
 
 logger = logging.getLogger(__name__)
 SUPERVISOR_RANK = -1
 PROGRESS = ("commit", "memory_commit", "checkpoint_saved")
 """Events that say a launch trained: what it did is kept, and a relaunch goes on from it."""
+
+
+def trained_evidence(evs: list[dict]) -> str | None:
+    """The event that shows a launch got as far as training (module doc): "start", else
+    FIRST_STEP, else None. Only ranks' events count (rank >= 0), never the supervisor's."""
+    for name in ("start", FIRST_STEP):
+        if any(e["event"] == name and e["rank"] >= 0 for e in evs):
+            return name
+    return None
 
 
 @dataclass
@@ -158,22 +178,26 @@ class Supervisor:
                 return Outcome(0, attempt, "finished")
             if self._stopping:
                 return Outcome(code, attempt, "stopped by a signal to the supervisor")
-            if not any(e["event"] == "start" and e["rank"] >= 0 for e in evs):
+            evidence = trained_evidence(evs)
+            if evidence is None:
                 # A script that writes no events (a plain Horovod one) may well have trained:
                 # say what is known, and only that.
                 return Outcome(code, attempt, f"not restarting: no rank wrote a `start` event "
-                               f"to {self.events_path}, so a relaunch is not known to resume; "
-                               f"the launcher exited with code {code}; {facts.describe()} "
-                               "(its output is above)")
+                               f"(nor `{FIRST_STEP}`, a torchrun worker's first optimizer "
+                               f"step) to {self.events_path}, so a relaunch is not known to "
+                               f"get further; the launcher exited with code {code}; "
+                               f"{facts.describe()} (its output is above)")
             if attempt >= self.max_restarts:
                 return Outcome(code, attempt, f"gave up after {attempt} restarts")
             delay, streak = self._delay(evs, streak)
             preempted = any(e["event"] == "preempted" for e in evs)
-            logger.warning("launcher exited with %d%s; restart %d/%d in %gs", code,
-                        " after preemption" if preempted else "", attempt + 1,
-                        self.max_restarts, delay)
+            logger.warning("launcher exited with %d%s; restart %d/%d in %gs%s", code,
+                           " after preemption" if preempted else "", attempt + 1,
+                           self.max_restarts, delay, "" if evidence == "start" else
+                           f" (no rank wrote `start`; {FIRST_STEP} events say ranks trained: "
+                           "the script resumes only if it keeps its own snapshot)")
             self.events.emit("restart", attempt=attempt + 1, delay=delay, exit_code=code,
-                             preempted=preempted)
+                             preempted=preempted, evidence=evidence)
             self._sleep(delay)
             if self._stopping:
                 return Outcome(code, attempt, "stopped by a signal to the supervisor")

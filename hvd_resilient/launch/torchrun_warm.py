@@ -11,8 +11,14 @@ agent with the imports done and runs the script in-process (`runpy`), as `python
 would.
 
 Forking is safe for CUDA only while the agent has not initialized it; nothing here does
-(checked before the first fork: otherwise, and for `-m`/`--no-python` commands or with
-`HVD_RESILIENT_TORCHRUN_FORK=0`, torchrun runs exactly as given).
+(checked before the first fork: otherwise, for `-m` commands or with
+`HVD_RESILIENT_TORCHRUN_FORK=0`, each worker is a new interpreter).
+
+Either way every worker is prepared before the script runs (`torchrun_worker`): its process
+group forms in a restarted round, it ends on SIGTERM, its first optimizer step is on record.
+Forked workers through an at-fork hook of this process; new interpreters by running
+`python -m hvd_resilient.launch.torchrun_worker SCRIPT ARGS...` in place of the script. Only
+`--no-python` and `--run-path` commands run exactly as given.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import os
 import sys
 from typing import Any
 
+from hvd_resilient.launch.torchrun_round_store import ROUND_ENV
 from hvd_resilient.launch.warm_imports import import_script_modules, settle_heap
 
 ENV = "HVD_RESILIENT_TORCHRUN_FORK"
@@ -47,6 +54,42 @@ def warm_args(args: list[str]) -> list[str] | None:
         return None
     script = os.path.abspath(args[i])
     return ["--run-path", "--start-method", "fork", *args[:i], script, *args[i + 1:]]
+
+
+WORKER = "hvd_resilient.launch.torchrun_worker"
+
+
+def worker_args(args: list[str]) -> list[str] | None:
+    """torchrun arguments that start each worker as a new interpreter through `WORKER`, which
+    prepares it and then runs the script (or `-m` module) as given; None for `--no-python`
+    and `--run-path` commands, which run as given."""
+    from torch.distributed.run import get_args_parser
+
+    parsed = get_args_parser().parse_args(args)
+    if parsed.no_python or parsed.run_path:
+        return None
+    i = len(args) - 1 - len(parsed.training_script_args)
+    if args[i] != parsed.training_script:
+        return None
+    if parsed.module:  # torchrun runs `python -m WORKER -m MODULE ARGS...`
+        return [*args[:i], WORKER, "-m", args[i], *args[i + 1:]]
+    return [*args[:i], "-m", WORKER, *args[i:]]
+
+
+def prepare_forked_workers(script: str) -> None:
+    """Every worker forked from this process from now on is prepared in the child
+    (`torchrun_worker.prepare_forked_child`), before torch's `_wrap` runs the script. The
+    round-store patch is applied here, where a torch it does not fit fails the launch (an
+    at-fork hook's exception is only printed), and the children inherit it; the agent itself
+    never calls what it wraps."""
+    from functools import partial
+
+    from hvd_resilient.launch.torchrun_round_store import apply_round_store
+    from hvd_resilient.launch.torchrun_worker import prepare_forked_child
+
+    apply_round_store()
+    os.register_at_fork(after_in_child=partial(prepare_forked_child, os.path.dirname(script),
+                                               agent=os.getpid()))
 
 
 def _warm_up(script: str) -> bool:
@@ -119,7 +162,6 @@ def kill_stopped_workers_first() -> None:
     LocalElasticAgent._shutdown = kill_stopped_then_shutdown  # type: ignore[method-assign]
 
 
-ROUND_ENV = "HVD_RESILIENT_RDZV_ROUND"
 
 
 def export_round() -> None:
@@ -157,7 +199,10 @@ def main(argv: list[str] | None = None) -> None:
     warm = warm_args(args)
     script = os.path.abspath(args[_script_index(args) or 0]) if warm is not None else ""
     if warm is not None and _warm_up(script):
+        prepare_forked_workers(script)
         args = warm
+    else:
+        args = worker_args(args) or args
     sys.argv = ["torchrun", *args]
     torchrun_main(args)
 

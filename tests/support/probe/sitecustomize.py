@@ -1,7 +1,14 @@
 """Test probe (tests/support/thirdparty.py): with HVDR_TEST_PROBE_DIR set, wraps
 torch.distributed.destroy_process_group so that, before the group goes, this worker writes a
 digest of every DistributedDataParallel model's parameters to rank<RANK>.json. Nothing at all
-without the variable; torch is never imported by this file itself (the hook waits for it)."""
+without the variable; torch is never imported by this file itself (the hook waits for it).
+
+It also appends one line to `marks.jsonl` when a worker's default group has formed
+(`"mark": "group"`) and at its first optimizer step after that (`"mark": "step"`), each with
+rank, pid, torchrun's restart count and the time: which process is which rank now (a test
+kills rank 1's current process) and when a restarted round trained again (a benchmark's
+step marker), seen from outside an unchanged script. One `os.write` per line (O_APPEND), so
+lines of concurrent workers never interleave."""
 
 import os
 import sys
@@ -16,6 +23,40 @@ def _install() -> None:
     import torch.distributed as dist
 
     original = dist.destroy_process_group
+    original_init = dist.init_process_group
+
+    def init_process_group(*args, **kwargs):  # type: ignore[no-untyped-def]
+        out = original_init(*args, **kwargs)
+        try:
+            _mark("group")
+            _hook_first_step()
+        except Exception as e:  # a probe never fails the script
+            print(f"probe: {e!r}", file=sys.stderr)
+        return out
+
+    def _hook_first_step() -> None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        done = []  # never removed: torch iterates its hooks while calling this one
+
+        def first_step(*_args):  # type: ignore[no-untyped-def]
+            if not done:
+                done.append(True)
+                _mark("step")
+
+        register_optimizer_step_post_hook(first_step)
+
+    def _mark(what: str) -> None:
+        import json
+        import time
+
+        rec = {"mark": what, "rank": dist.get_rank(), "pid": os.getpid(), "ts": time.time(),
+               "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
+        fd = os.open(os.path.join(_DIR, "marks.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        try:
+            os.write(fd, (json.dumps(rec) + "\n").encode())
+        finally:
+            os.close(fd)
 
     def destroy_process_group(*args, **kwargs):  # type: ignore[no-untyped-def]
         if not args and not kwargs.get("group"):
@@ -48,6 +89,7 @@ def _install() -> None:
         os.replace(path + ".tmp", path)
 
     dist.destroy_process_group = destroy_process_group
+    dist.init_process_group = init_process_group
 
 
 class _Hook:

@@ -1,0 +1,253 @@
+"""PyTorch's DDP tutorial script, a worker SIGKILLed: how long until it trains again?
+
+The script is pytorch/examples' distributed/ddp-tutorial-series/multigpu_torchrun.py,
+unchanged but for tests/thirdparty/pytorch_ddp_tutorial/cpu.patch (Gloo, CPU): it keeps its
+own snapshot.pt (rank 0 saves it every `save_every` epochs, every rank loads it at start).
+3 workers on one machine, side by side:
+
+- `ours`: `hvd-resilient run --launcher torchrun --np 3 -- python multigpu_torchrun.py ...`
+- `plain`: `torchrun --standalone --nproc-per-node 3 --max-restarts 3 multigpu_torchrun.py ...`
+
+Once rank 0 has saved a snapshot, rank 1's process is SIGKILLed. The step marker is the test
+probe (tests/support/probe/sitecustomize.py, on PYTHONPATH; the script is not changed): each
+worker appends a `group` mark when its process group has formed and a `step` mark at its
+first optimizer step, with torchrun's restart count. Measured: kill -> every rank of a
+restarted round has taken its first step (training again), and kill -> the group formed;
+"never" when that has not happened within --cap seconds (the job is then ended). Ours is then
+left to finish: its exit code, whether a restart loaded the snapshot, whether every rank's
+final parameters are equal (the probe's digests at destroy_process_group()).
+
+`--save-seconds N`: also times the script's own `torch.save(snapshot, "snapshot.pt")` (no temp
+file, no rename) N times: the window in which a kill of rank 0 tears the snapshot.
+
+    .venv/bin/python bench/thirdparty_torchrun.py --repeats 3 --cap 60 \\
+        --out bench/results/thirdparty_torchrun.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV_BIN = Path(sys.executable).parent
+TUTORIAL = ROOT / "tests" / "thirdparty" / "pytorch_ddp_tutorial"
+PROBE = ROOT / "tests" / "support" / "probe"
+MARK = "HVD_RESILIENT_BENCH_MARK"
+NP = 3
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _prepare(dest: Path) -> Path:
+    """The script as a user would have it: the upstream copy with cpu.patch applied."""
+    shutil.copytree(TUTORIAL, dest, ignore=shutil.ignore_patterns("*.patch", "LICENSE*"))
+    subprocess.run(["patch", "-p1", "--forward", "--batch", "-i", str(TUTORIAL / "cpu.patch")],
+                   cwd=dest, check=True, capture_output=True, timeout=30)
+    return dest
+
+
+def _marks(probe: Path) -> list[dict[str, Any]]:
+    try:
+        lines = (probe / "marks.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def _marked(mark: str) -> list[int]:
+    """Every process that carries this run's marker (forked workers included)."""
+    me, out = os.getpid(), []
+    needle = f"{MARK}={mark}".encode()
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    out.append(int(name))
+        except OSError:
+            continue
+    return out
+
+
+def _end(proc: subprocess.Popen[bytes], mark: str) -> None:
+    """The job and every process of it, whatever state it is in."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for pid in _marked(mark):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _command(stack: str, run: Path, epochs: int, save_every: int) -> list[str]:
+    script = ["multigpu_torchrun.py", str(epochs), str(save_every)]
+    if stack == "ours":
+        return [str(VENV_BIN / "hvd-resilient"), "run", "--launcher", "torchrun",
+                "--np", str(NP), "--rdzv-endpoint", f"127.0.0.1:{_port()}",
+                "--run-id", run.name, "--run-dir", str(run / "run"), "--",
+                sys.executable, *script]
+    return [str(VENV_BIN / "torchrun"), "--standalone", "--nproc-per-node", str(NP),
+            "--max-restarts", "3", *script]
+
+
+def one(stack: str, work: Path, cap: float, epochs: int, save_every: int) -> dict[str, Any]:
+    run = work / f"{stack}-{uuid.uuid4().hex[:6]}"
+    script_dir = _prepare(run / "script")
+    probe = run / "probe"
+    probe.mkdir(parents=True)
+    mark = uuid.uuid4().hex
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HVDR_TEST_PROBE_DIR=str(probe), **{MARK: mark})
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROBE), str(ROOT),
+                                                     env.get("PYTHONPATH", "")) if p)
+    env["PATH"] = f"{VENV_BIN}:{env.get('PATH', '')}"
+    log = run / "console.log"
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(_command(stack, run, epochs, save_every), env=env,
+                                cwd=script_dir, stdout=fh, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    out: dict[str, Any] = {"stack": stack}
+    try:
+        saved = f"Epoch {2 * save_every} | Training snapshot saved"
+        deadline = time.monotonic() + 120
+        while saved not in log.read_text(errors="replace"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                return {**out, "error": "no snapshot saved", "tail": log.read_text()[-2000:]}
+            time.sleep(0.02)
+        victim = next(m for m in _marks(probe) if m["mark"] == "group" and m["rank"] == 1
+                      and m["restart"] == 0)
+        os.kill(victim["pid"], signal.SIGKILL)
+        t_kill = time.time()
+        stepped: dict[int, float] = {}
+        formed: dict[int, float] = {}
+        while time.time() - t_kill < cap and len(stepped) < NP:
+            for m in _marks(probe):
+                if m["restart"] >= 1 and m["ts"] >= t_kill:
+                    target = stepped if m["mark"] == "step" else formed
+                    target.setdefault(m["rank"], m["ts"])
+            if proc.poll() is not None and len(stepped) < NP:
+                break
+            time.sleep(0.02)
+        text = log.read_text(errors="replace")
+        out.update(
+            trained_again_s=round(max(stepped.values()) - t_kill, 3)
+            if len(stepped) == NP else None,
+            group_formed_s=round(max(formed.values()) - t_kill, 3)
+            if len(formed) == NP else None,
+            restart_rounds=max((m["restart"] for m in _marks(probe)), default=0),
+            connect_refused=text.count("Connection refused"),
+            torchrun_restarts=text.count("will restart worker group"),
+        )
+        if stack == "ours" and out["trained_again_s"] is not None:
+            try:
+                out["exit_code"] = proc.wait(timeout=cap + 60)
+            except subprocess.TimeoutExpired:
+                out["exit_code"] = None
+            text = log.read_text(errors="replace")
+            digests = {json.loads(f.read_text())["digest"] for f in probe.glob("rank*.json")}
+            out.update(snapshot_loaded="Resuming training from snapshot" in text,
+                       ranks_reported=len(list(probe.glob("rank*.json"))),
+                       ranks_equal=len(digests) == 1)
+        else:
+            out.update(exit_code=proc.poll(), snapshot_loaded="Resuming training from snapshot"
+                       in text)
+        return out
+    finally:
+        _end(proc, mark)
+
+
+SAVE = """
+import sys, time, torch
+model = torch.nn.Linear(20, 1)
+times = []
+for _ in range(int(sys.argv[1])):
+    t = time.perf_counter()
+    torch.save({"MODEL_STATE": model.state_dict(), "EPOCHS_RUN": 3}, "snapshot.pt")
+    times.append(time.perf_counter() - t)
+print(sorted(times)[len(times) // 2], max(times))
+"""
+
+
+def save_window(work: Path, n: int) -> dict[str, float]:
+    r = subprocess.run([sys.executable, "-c", SAVE, str(n)], cwd=work, capture_output=True,
+                       text=True, timeout=120, check=True)
+    median, top = map(float, r.stdout.split())
+    return {"saves": n, "median_ms": round(median * 1e3, 3), "max_ms": round(top * 1e3, 3)}
+
+
+def _summary(values: list[float], cap: float) -> str:
+    return f"{statistics.median(values):.2f} / {max(values):.2f} s" if values else \
+        f"never within {cap:g} s"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--cap", type=float, default=60.0)
+    p.add_argument("--epochs", type=int, default=30)
+    p.add_argument("--save-every", type=int, default=2)
+    p.add_argument("--stacks", default="ours,plain")
+    p.add_argument("--save-seconds", type=int, default=200, metavar="N")
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="hvdr-thirdparty-"))
+    rows = []
+    for stack in args.stacks.split(","):
+        for _ in range(args.repeats):
+            r = one(stack, work, args.cap, args.epochs, args.save_every)
+            print(json.dumps(r), flush=True)
+            rows.append(r)
+    window = save_window(work, args.save_seconds) if args.save_seconds else {}
+    print(f"\n| stack | runs | kill -> every rank trains again: median / max | kill -> group "
+          f"formed: median / max | trained again within {args.cap:g} s | exit 0, snapshot "
+          "loaded, ranks equal | exit codes (None: running at the cap) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for stack in args.stacks.split(","):
+        rs = [r for r in rows if r["stack"] == stack and "error" not in r]
+        again = [r["trained_again_s"] for r in rs if r["trained_again_s"] is not None]
+        formed = [r["group_formed_s"] for r in rs if r["group_formed_s"] is not None]
+        whole = sum(1 for r in rs if r.get("exit_code") == 0 and r.get("snapshot_loaded")
+                    and r.get("ranks_equal"))
+        print(f"| {stack} | {len(rs)} | {_summary(again, args.cap)} | "
+              f"{_summary(formed, args.cap)} | {len(again)} of {len(rs)} | {whole} of "
+              f"{len(rs)} | {', '.join(str(r.get('exit_code')) for r in rs)} |")
+    if window:
+        print(f"\nthe script's torch.save of snapshot.pt: median {window['median_ms']} ms, max "
+              f"{window['max_ms']} ms over {window['saves']} saves")
+    if args.out:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                capture_output=True, text=True).stdout.strip()
+        Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"),
+                                              "commit": commit, "cap_s": args.cap,
+                                              "runs": rows, "save_window": window}, indent=1))
+    print(f"consoles and probes: {work}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
