@@ -18,7 +18,7 @@ _LAZY = {
     "ElasticDataSampler": "hvd_resilient.state.sampler",
     "DistributedSampler": "hvd_resilient.backends.horovod.sampler",
     "ElasticState": "hvd_resilient.backends.horovod.state",
-    "run": "hvd_resilient.backends.horovod.run",
+    "run": "hvd_resilient.training.ported",
     "Trainer": "hvd_resilient.training.trainer",
     "EventLog": "hvd_resilient.events",
     "local_rank": "hvd_resilient.backends.horovod.slots",

@@ -5,7 +5,9 @@ under `hvd-resilient run` with a discovery script: 3 workers on one machine (slo
 What each test guards (all failed before the ported loop got its own events, watchdog and
 sampler): a host added used to hang every rank for ever (the old ranks' `DistributedSampler`
 kept the world it was built for); a killed driver was not relaunched (no rank wrote `start`);
-the report called a finished run silent at step 0.
+the report called a finished run silent at step 0. The driver-kill tests failed before the
+ported loop got the memory tier and durable checkpoints (`training/ported.py`): the relaunch
+trained from epoch 1 again.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from hvd_resilient.checkpoint.manifest import MANIFEST_NAME, step_dir
 from tests.support.jobs import (
     PYTHON,
     VENV_BIN,
@@ -42,18 +45,26 @@ def batches(n: int, size: int) -> int:
     return math.ceil(math.ceil(n / size) / BATCH)
 
 
+@pytest.fixture(autouse=True)
+def _memory_tier(memory_tier_dir: str) -> str:
+    """Every run here keeps its commits in a memory tier of its own (never the machine's
+    /dev/shm/hvd_resilient), removed after the test."""
+    return memory_tier_dir
+
+
 def start(tmp_path: Path, jobs, name: str, *, epochs: int, hosts: str = "localhost:3",
-          max_restarts: int = 0):
-    """The ported script under `hvd-resilient run`: (run folder, hosts file, job)."""
+          max_restarts: int = 0, run_args: tuple[str, ...] = (), **env: str):
+    """The ported script under `hvd-resilient run` (``run_args``: more of its flags; ``env``:
+    more of the workers' environment): (run folder, hosts file, job)."""
     script = prepare("horovod_elastic", tmp_path / "script", ("port.patch", "cpu.patch"))
     run = tmp_path / "run"
     hosts_file, discover = write_discovery(tmp_path, hosts)
     cmd = [str(VENV_BIN / "hvd-resilient"), "run", "--backend", "horovod",
            "--discovery", str(discover), "--np", "3", "--min-np", "1", "--max-np", "4",
            "--network-interface", "lo", "--run-id", name, "--run-dir", str(run),
-           "--max-restarts", str(max_restarts),
+           "--max-restarts", str(max_restarts), *run_args,
            "--", PYTHON, SCRIPT, "--epochs", str(epochs)]
-    job = jobs.start(cmd, env=jobs.env(MNIST_SYNTHETIC_TRAIN=str(N_TRAIN)), cwd=script,
+    job = jobs.start(cmd, env=jobs.env(MNIST_SYNTHETIC_TRAIN=str(N_TRAIN), **env), cwd=script,
                      name=name)
     return run, hosts_file, job
 
@@ -84,10 +95,18 @@ def report(run: Path) -> str:
 
 
 def test_fault_free_run_writes_the_events_the_report_reads(tmp_path, jobs):
-    run, _, job = start(tmp_path, jobs, "mnist-plain", epochs=2)
+    """Also the durable policy of a ported loop with `--checkpoint` and checkpoint_every 0:
+    one at the first commit of each new epoch (its epoch end is not a point the wrapper
+    sees) and a final one."""
+    run, _, job = start(tmp_path, jobs, "mnist-plain", epochs=2,
+                        run_args=("--checkpoint", (tmp_path / "ckpt").as_uri()))
     assert job.wait(JOB_TIMEOUT_S) == 0, job.output()[-3000:]
     done = assert_ranks_equal(run, 3)
-    assert done["step"] == 2 * batches(N_TRAIN, 3), done  # one commit a batch
+    per_epoch = batches(N_TRAIN, 3)
+    assert done["step"] == 2 * per_epoch, done  # one commit a batch
+    saved = [(e["ckpt_step"], e["epoch"]) for e in events(run / "events.jsonl")
+             if e["event"] == "checkpoint_saved"]
+    assert saved == [(per_epoch + 1, 2), (2 * per_epoch, 2)], saved
     starts = [e for e in events(run / "events.jsonl") if e["event"] == "start"]
     assert sorted(e["rank"] for e in starts) == [0, 1, 2], starts
     text = report(run)
@@ -138,9 +157,10 @@ def test_host_added_through_discovery_every_rank_finishes_equal(tmp_path, jobs):
     assert "finished at commit" in text and "world size 3/4" in text, text
 
 
-def test_driver_killed_supervisor_relaunches_and_the_job_finishes(tmp_path, jobs):
-    run, _, job = start(tmp_path, jobs, "mnist-driver", epochs=3, max_restarts=1)
-    wait_commits(run, job, 10)
+def kill_driver(run: Path, job) -> float:
+    """SIGKILLs horovodrun's driver (its local workers get SIGTERM from their middlemen and
+    die: every worker is lost) and waits for the relaunched rank 0's `start`. Returns when
+    the driver was killed."""
     (driver,) = launchers_of(job.proc.pid)
     assert "horovod" in " ".join(driver.cmdline()), driver.cmdline()
     killed = time.time()
@@ -149,12 +169,76 @@ def test_driver_killed_supervisor_relaunches_and_the_job_finishes(tmp_path, jobs
                                         if e["event"] == "start" and e["ts"] > killed
                                         and e["rank"] == 0), None),
                           JOB_TIMEOUT_S, "a start after the driver was killed", job)
-    assert job.wait(JOB_TIMEOUT_S) == 0, job.output()[-3000:]
     print(f"[mnist] driver killed -> relaunched rank 0 started: {relaunched['ts'] - killed:.2f} s")
+    return killed
+
+
+def assert_resumed(run: Path, killed: float, source: str, total: int) -> dict:
+    """One `resume` after the kill, from ``source`` at a commit > 0; rank 0's commits after it
+    go on from there, one by one; the run ends at ``total`` commits (an uninterrupted run's)
+    within one commit interval (one batch here), every rank with the same state. Returns the
+    resume event."""
     evs = events(run / "events.jsonl")
-    assert [e["attempt"] for e in evs if e["event"] == "restart"] == [1], job.output()[-3000:]
+    assert [e["attempt"] for e in evs if e["event"] == "restart"] == [1], evs[-5:]
+    (resume,) = [e for e in evs if e["event"] == "resume"]
+    assert resume["ts"] > killed and resume["source"] == source, resume
+    assert resume["from_step"] > 0, resume
+    after = [e["step"] for e in evs if e["event"] == "commit" and e["rank"] == 0
+             and e["ts"] > resume["ts"]]
+    assert after == list(range(resume["from_step"] + 1, after[-1] + 1)), after[:5]
     done = assert_ranks_equal(run, 3, launch_ts=killed)
-    # No durable checkpoint in this script: the relaunch trains from scratch (the docs say so)
-    assert done["step"] == 3 * batches(N_TRAIN, 3), done
+    assert abs(done["step"] - total) <= 1, (done["step"], total, resume)
+    assert done["step"] == after[-1], (done, after[-3:])
     text = report(run)
     assert "finished at commit" in text and "2 launches" in text, text
+    assert f"resumed from commit {resume['from_step']} ({source})" in text, text
+    return resume
+
+
+def test_driver_killed_relaunch_resumes_from_the_memory_tier(tmp_path, jobs,
+                                                             memory_tier_dir):
+    """The relaunch goes on from the last commit in host memory, in the epoch it was in (the
+    example loops `for state.epoch in range(state.epoch, ...)`): not from epoch 1."""
+    epochs, per_epoch = 3, batches(N_TRAIN, 3)
+    run, _, job = start(tmp_path, jobs, "mnist-driver", epochs=epochs, max_restarts=1)
+    into = per_epoch + 5  # well into epoch 2
+    wait_for(lambda: any(e["event"] == "memory_commit" and e["ckpt_step"] >= into
+                         for e in events(run / "events.jsonl")),
+             JOB_TIMEOUT_S, f"a memory commit at step >= {into}", job)
+    killed = kill_driver(run, job)
+    assert job.wait(JOB_TIMEOUT_S) == 0, job.output()[-3000:]
+    committed = max(e["ckpt_step"] for e in events(run / "events.jsonl")
+                    if e["event"] == "memory_commit" and e["ts"] < killed)
+    resume = assert_resumed(run, killed, "memory", epochs * per_epoch)
+    assert resume["from_step"] >= committed >= into, (resume, committed)
+    assert resume["epoch"] == 2, resume  # the committed epoch, not the example's epoch=1
+    assert not list(Path(memory_tier_dir).glob("*/*/*")), "the finished run left its commits"
+
+
+def test_driver_killed_relaunch_resumes_from_the_durable_checkpoint(tmp_path, jobs):
+    """`--checkpoint URL`: durable checkpoints every 8 commits and a final one; with the
+    memory tier off, a relaunch after every worker is lost resumes from the newest one."""
+    epochs, per_epoch = 3, batches(N_TRAIN, 3)
+    ckpt = tmp_path / "ckpt"
+    run, _, job = start(tmp_path, jobs, "mnist-durable", epochs=epochs, max_restarts=1,
+                        run_args=("--checkpoint", ckpt.as_uri()),
+                        HVD_RESILIENT_CHECKPOINT_EVERY="8",
+                        HVD_RESILIENT_MEMORY_TIER_ENABLED="0")
+    saved = wait_for(lambda: next((e for e in events(run / "events.jsonl")
+                                   if e["event"] == "checkpoint_saved"
+                                   and e["ckpt_step"] >= 24), None),
+                     JOB_TIMEOUT_S, "a durable checkpoint at step >= 24", job)
+    killed = kill_driver(run, job)
+    assert job.wait(JOB_TIMEOUT_S) == 0, job.output()[-3000:]
+    evs = events(run / "events.jsonl")
+    before = [e["ckpt_step"] for e in evs if e["event"] == "checkpoint_saved"
+              and e["ts"] < killed]
+    assert before and all(s % 8 == 0 for s in before), before
+    resume = assert_resumed(run, killed, "durable", epochs * per_epoch)
+    assert resume["from_step"] == max(before) >= saved["ckpt_step"], (resume, before)
+    assert resume["epoch"] == 2, resume  # step 24: batch 4 of epoch 2
+    assert not [e for e in evs if e["event"] == "memory_commit"], "the memory tier was off"
+    done = [e for e in evs if e["event"] == "done"][-1]
+    final = [e for e in evs if e["event"] == "checkpoint_saved" and e["ts"] > killed]
+    assert final and final[-1]["ckpt_step"] == done["step"], (final, done)
+    assert (ckpt / step_dir(done["step"]) / MANIFEST_NAME).is_file(), sorted(ckpt.iterdir())

@@ -85,6 +85,27 @@ def test_a_restore_goes_back_to_the_committed_position(monkeypatch):
     assert sorted(first + rest) == list(range(N))
 
 
+def test_a_reset_at_the_epochs_last_batch_leaves_an_empty_pass_not_a_repeat(monkeypatch):
+    """A host change at the commit of the epoch's last batch: the loop reenters the epoch
+    (Horovod's example, `state.batch` at its last batch) and must train nothing more of it;
+    it used to restart the epoch and train its first batch twice (seen in the conformance
+    tier: 96 commits instead of 95)."""
+    world = World(2)
+    (a, b) = samplers(monkeypatch, world, 2)
+    share = len(a)
+    ia, ib = iter(a), iter(b)
+    first = take(ia, share) + take(ib, share)  # every sample handed out, no StopIteration yet
+    for s in (a, b):
+        s.set_epoch(0)  # the loop reenters the same epoch after the reset
+        s.reset()  # the state's after-sync hook
+    assert list(a) == [] and list(b) == []
+    assert sorted(set(first)) == list(range(N))
+    # ... while a pass iterated to its end and iterated again repeats the epoch, as torch's
+    # sampler does for a script that never calls set_epoch
+    (c,) = samplers(monkeypatch, World(1), 1)
+    assert list(c) == list(c) and len(list(c)) == N
+
+
 def test_record_batch_counts_only_what_was_recorded(monkeypatch):
     """A loader with workers prefetches: only recorded batches are consumed."""
     world = World(1)

@@ -10,14 +10,21 @@ its own: the `start` event at the first sync, the progress watchdog (progress: e
 
 The run loop uses it only when no watchdog is installed: the Trainer installs its own, and
 writes its own `start`/`done`, before it calls the run loop.
+
+What must happen between `start` and the first sync but lives above this layer (the training
+layer's memory tier and durable checkpoints, `training/ported.py`, which resume the state on
+rank 0 so that the first sync spreads it) comes in through :func:`extended`: backends never
+import the training layer, and `run.py`'s loop stays the one the Trainer uses.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +47,25 @@ Trainer declares its long phases (evaluation, a synchronous checkpoint) as secti
 own budgets, a ported loop cannot, so a rank that evaluates or saves for a minute between two
 forward passes must not be taken for a hung one (the Trainer's 30 s would end it)."""
 GRADIENT_WAIT = "the gradient allreduce in optimizer.step()"
+
+_BEGIN_HOOKS: contextvars.ContextVar[tuple[Callable[[PortedLoop], None], ...]] = \
+    contextvars.ContextVar("hvd_resilient_ported_begin_hooks", default=())
+"""What :meth:`PortedLoop.begin` runs after `start`, set for the duration of one call by
+:func:`extended` (a context variable, not a module list: nothing outlives the call that set
+it, and a second loop in the process starts clean)."""
+
+
+@contextlib.contextmanager
+def extended(*hooks: Callable[[PortedLoop], None]) -> Iterator[None]:
+    """Within the block, a `PortedLoop` that begins calls each hook with itself, after its
+    `start` event and before the watchdog and the first sync: where a resume must happen (rank
+    0 loads, the sync spreads), and before the watchdog, since a resume from a store may take
+    longer than any step."""
+    token = _BEGIN_HOOKS.set(_BEGIN_HOOKS.get() + hooks)
+    try:
+        yield
+    finally:
+        _BEGIN_HOOKS.reset(token)
 
 
 def recovery_options(env: Mapping[str, str] | None = None,
@@ -94,13 +120,16 @@ class PortedLoop:
         wrote its own `start` (as this project's test and benchmark jobs do, and as the
         migration page's `events=` advice once suggested) is not given a second: two
         `start` lines of one rank seconds apart read as two launches in the report. Such a
-        script writes its own `done` too."""
+        script writes its own `done` too. Then the hooks of :func:`extended` (the training
+        layer's resume), before the watchdog and the first sync."""
         events = self.state.events
         self.writes_events = not _started_already(events.path)
         if self.writes_events:
             events.emit("start", pid=os.getpid(), host=socket.gethostname(), backend="horovod",
                         run_id=os.environ.get(RUN_ID_ENV), config=None, loop="custom",
                         warm=os.environ.get(FORKED_ENV) == str(os.getpid()))
+        for hook in _BEGIN_HOOKS.get():
+            hook(self)
         progress.install(self.dog.start())
         self._hook(self.state.optimizer)
         self._hook_forward(self.state.model)

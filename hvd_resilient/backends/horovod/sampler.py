@@ -72,6 +72,11 @@ class DistributedSampler(Sampler[int]):
         self._recorded: int | None = None  # record_batch's count in this pass, when used
         self._pass_size = 1  # the world size the current pass was partitioned for
         self._pass = 0  # a stale iterator (from before a reset) must not count
+        self._ran_out = False
+        """The last pass of this epoch was iterated to its end (torch's StopIteration): only
+        then does a new pass of a used-up epoch repeat it, as torch's sampler repeats an epoch
+        when `set_epoch` is not called. A pass cut short by a reset or restore exactly at the
+        epoch's last sample is empty instead: the epoch's samples were all used."""
 
     # -- torch's interface -----------------------------------------------------------------
     @property
@@ -100,9 +105,12 @@ class DistributedSampler(Sampler[int]):
         self.reset()
         size, rank = self.world()
         rest = self._order()[self._base:]
-        if not rest:  # the epoch was used up and no set_epoch came: torch repeats the epoch
+        if not rest and self._ran_out:  # used up, and no set_epoch came: torch repeats it
             self._start_epoch()
             rest = self._order()
+        # (used up by a pass a reset cut short: an empty pass. Horovod's example then reenters
+        # the epoch with `state.batch` at its last batch and would train a repeat of the
+        # epoch's first batch, samples used twice.)
         share = self._share(len(rest), size)
         if self.drop_last:
             rest = rest[:share * size]
@@ -138,12 +146,14 @@ class DistributedSampler(Sampler[int]):
         self.epoch, self.seed = int(sd["epoch"]), int(sd.get("seed", self.seed))
         self._base, self._offset = int(sd["consumed"]), int(sd["taken"])
         self._taken, self._recorded = 0, None
+        self._ran_out = False
         self._pass += 1
 
     # -- the parts ---------------------------------------------------------------------------
     def _start_epoch(self) -> None:
         self._base = self._offset = self._taken = 0
         self._recorded = None
+        self._ran_out = False
         self._pass += 1
 
     def _taken_so_far(self) -> int:
@@ -170,3 +180,5 @@ class DistributedSampler(Sampler[int]):
             if pass_id == self._pass:
                 self._taken += 1
             yield i
+        if pass_id == self._pass:
+            self._ran_out = True
