@@ -54,7 +54,7 @@ from hvd_resilient.launch.inplace_unadopted import REFUSAL, StderrWatch
 
 logger = logging.getLogger("hvd_resilient.launch.inplace_agent")  # not __name__: run as __main__
 POLL_S = 0.01
-WATCH_JOIN_S = 1.0
+WATCH_JOIN_S = 5.0
 """How long the agent waits for the last stderr line of a worker that exited on its own
 (code > 0), where a child of it (a loader worker) still holds the pipe; a killed worker is
 judged at once."""
@@ -158,6 +158,8 @@ class Agent:
         """One look at the workers; an exit code when the job is over."""
         self._reap()
         if self.unadopted:  # every other worker would fail the same way: no generation
+            for w in self.watches.values():
+                w.ending = True  # killed mid-traceback: no half of torch's to print
             for p in self.alive.values():
                 p.kill()
             raise ConfigError(REFUSAL)

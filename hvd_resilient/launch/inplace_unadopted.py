@@ -52,6 +52,9 @@ class StderrWatch:
     def __init__(self, pipe: IO[bytes], out_fd: int) -> None:
         self.pipe, self.out_fd = pipe, out_fd
         self.unadopted = False
+        self.ending = False
+        """Set when the agent ends this worker because another one was found unadopted: it
+        is killed while it prints the same traceback, and the part it got out is dropped."""
         self._thread = threading.Thread(target=self._copy, daemon=True,
                                         name="inplace-stderr")
         self._thread.start()
@@ -78,7 +81,7 @@ class StderrWatch:
                 held = [line]
             else:
                 self._write(line)
-        if held:  # the worker died in the middle of its traceback
+        if held and not self.ending:  # the worker died in the middle of its traceback
             self._write(b"".join(held))
         self.pipe.close()
 

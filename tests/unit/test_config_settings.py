@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 from pathlib import Path
 
 import pytest
@@ -111,9 +112,10 @@ def test_run_options_defaults_file_then_flags(tmp_path):
     opts = _resolve(["--config", str(f)])
     assert (opts["np"], opts["launcher"], opts["max_restarts"], opts["slot_hosts"],
             opts["blacklist_cooldown_range"], opts["command"]) == (
-        3, "mpi", 5, False, (1, 2), ["python", "train.py", "--epochs", "2"])
+        3, "mpi", 5, False, (1, 2), [sys.executable, "train.py", "--epochs", "2"])
     opts = _resolve(["--config", str(f), "--np", "4", "--slot-hosts", "--", "python", "x.py"])
-    assert (opts["np"], opts["slot_hosts"], opts["command"]) == (4, True, ["python", "x.py"])
+    # a bare `python` is this environment's interpreter (launch/interpreter.py)
+    assert (opts["np"], opts["slot_hosts"], opts["command"]) == (4, True, [sys.executable, "x.py"])
 
 
 @pytest.mark.parametrize("text, says", [
