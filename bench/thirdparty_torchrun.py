@@ -7,15 +7,26 @@ own snapshot.pt (rank 0 saves it every `save_every` epochs, every rank loads it 
 
 - `ours`: `hvd-resilient run --launcher torchrun --np 3 -- python multigpu_torchrun.py ...`
 - `plain`: `torchrun --standalone --nproc-per-node 3 --max-restarts 3 multigpu_torchrun.py ...`
+- `inplace`: `hvd-resilient run --launcher inplace --np 3 -- python multigpu_torchrun.py ...`,
+  the script with tests/thirdparty/pytorch_ddp_tutorial/inplace.patch applied after cpu.patch
+  (the adapter lines of docs/inplace-ddp.md): the two survivors go on in their own processes.
 
-Once rank 0 has saved a snapshot, rank 1's process is SIGKILLed. The step marker is the test
-probe (tests/support/probe/sitecustomize.py, on PYTHONPATH; the script is not changed): each
-worker appends a `group` mark when its process group has formed and a `step` mark at its
-first optimizer step, with torchrun's restart count. Measured: kill -> every rank of a
-restarted round has taken its first step (training again), and kill -> the group formed;
-"never" when that has not happened within --cap seconds (the job is then ended). Ours is then
-left to finish: its exit code, whether a restart loaded the snapshot, whether every rank's
-final parameters are equal (the probe's digests at destroy_process_group()).
+Once rank 0 has saved a snapshot, rank 1's process is SIGKILLed. For `ours` and `plain` the
+step marker is the test probe (tests/support/probe/sitecustomize.py, on PYTHONPATH; the script
+is not changed): each worker appends a `group` mark when its process group has formed and a
+`step` mark at its first optimizer step, with torchrun's restart count. Measured: kill -> every
+rank of a restarted round has taken its first step (training again), and kill -> the group
+formed; "never" when that has not happened within --cap seconds (the job is then ended). For
+`inplace` there is no restarted round: the markers are the adapter's events in the run's
+events.jsonl, kill -> both survivors' `first_step` (written by an optimizer step post-hook at
+the first step after the DDP wrappers moved to the new generation) and kill -> both survivors'
+`reset` (written once the new generation's group has formed); the probe's marks after the kill
+are kept beside them as a cross-check (`probe_trained_again_s`). Ours and inplace are then left
+to finish: the exit code, whether the job resumed (a restart loaded the snapshot; in place: the
+survivors restored their last commit in memory), whether every rank's final parameters are
+equal (the probe's digests at destroy_process_group(); in place also the `done` events'
+digests), and whether the survivors (launch ranks 0 and 2) took their first step after the
+kill in the processes they were launched as (`survivors_kept_pids`).
 
 `--save-seconds N`: also times the script's own `torch.save(snapshot, "snapshot.pt")` (no temp
 file, no rename) N times: the window in which a kill of rank 0 tears the snapshot.
@@ -55,11 +66,13 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
-def _prepare(dest: Path) -> Path:
-    """The script as a user would have it: the upstream copy with cpu.patch applied."""
+def _prepare(dest: Path, patches: tuple[str, ...] = ("cpu.patch",)) -> Path:
+    """The script as a user would have it: the upstream copy with ``patches`` applied, in
+    order (cpu.patch; for `inplace`, inplace.patch after it)."""
     shutil.copytree(TUTORIAL, dest, ignore=shutil.ignore_patterns("*.patch", "LICENSE*"))
-    subprocess.run(["patch", "-p1", "--forward", "--batch", "-i", str(TUTORIAL / "cpu.patch")],
-                   cwd=dest, check=True, capture_output=True, timeout=30)
+    for patch in patches:
+        subprocess.run(["patch", "-p1", "--forward", "--batch", "-i", str(TUTORIAL / patch)],
+                       cwd=dest, check=True, capture_output=True, timeout=30)
     return dest
 
 
@@ -69,6 +82,21 @@ def _marks(probe: Path) -> list[dict[str, Any]]:
     except OSError:
         return []
     return [json.loads(line) for line in lines if line.strip()]
+
+
+def _events(run: Path) -> list[dict[str, Any]]:
+    """The in-place run's events.jsonl (a torn last line skipped)."""
+    try:
+        lines = (run / "run" / "events.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
 
 
 def _marked(mark: str) -> list[int]:
@@ -112,13 +140,18 @@ def _command(stack: str, run: Path, epochs: int, save_every: int) -> list[str]:
                 "--np", str(NP), "--rdzv-endpoint", f"127.0.0.1:{_port()}",
                 "--run-id", run.name, "--run-dir", str(run / "run"), "--",
                 sys.executable, *script]
+    if stack == "inplace":
+        return [str(VENV_BIN / "hvd-resilient"), "run", "--launcher", "inplace",
+                "--np", str(NP), "--run-id", run.name, "--run-dir", str(run / "run"), "--",
+                sys.executable, *script]
     return [str(VENV_BIN / "torchrun"), "--standalone", "--nproc-per-node", str(NP),
             "--max-restarts", "3", *script]
 
 
 def one(stack: str, work: Path, cap: float, epochs: int, save_every: int) -> dict[str, Any]:
     run = work / f"{stack}-{uuid.uuid4().hex[:6]}"
-    script_dir = _prepare(run / "script")
+    script_dir = _prepare(run / "script", ("cpu.patch", "inplace.patch")
+                          if stack == "inplace" else ("cpu.patch",))
     probe = run / "probe"
     probe.mkdir(parents=True)
     mark = uuid.uuid4().hex
@@ -139,17 +172,22 @@ def one(stack: str, work: Path, cap: float, epochs: int, save_every: int) -> dic
             if proc.poll() is not None or time.monotonic() > deadline:
                 return {**out, "error": "no snapshot saved", "tail": log.read_text()[-2000:]}
             time.sleep(0.02)
-        victim = next(m for m in _marks(probe) if m["mark"] == "group" and m["rank"] == 1
-                      and m["restart"] == 0)
-        os.kill(victim["pid"], signal.SIGKILL)
+        if stack == "inplace":
+            return {**out, **_inplace(proc, run, probe, cap)}
+        launched = {m["rank"]: m["pid"] for m in _marks(probe)
+                    if m["mark"] == "group" and m["restart"] == 0}
+        os.kill(launched[1], signal.SIGKILL)
         t_kill = time.time()
         stepped: dict[int, float] = {}
         formed: dict[int, float] = {}
+        step_pids: set[int] = set()
         while time.time() - t_kill < cap and len(stepped) < NP:
             for m in _marks(probe):
                 if m["restart"] >= 1 and m["ts"] >= t_kill:
                     target = stepped if m["mark"] == "step" else formed
                     target.setdefault(m["rank"], m["ts"])
+                    if m["mark"] == "step":
+                        step_pids.add(m["pid"])
             if proc.poll() is not None and len(stepped) < NP:
                 break
             time.sleep(0.02)
@@ -162,6 +200,9 @@ def one(stack: str, work: Path, cap: float, epochs: int, save_every: int) -> dic
             restart_rounds=max((m["restart"] for m in _marks(probe)), default=0),
             connect_refused=text.count("Connection refused"),
             torchrun_restarts=text.count("will restart worker group"),
+            # the launch's ranks 0 and 2 among the processes that trained again
+            survivors_kept_pids=({launched[0], launched[2]} <= step_pids)
+            if len(stepped) == NP else None,
         )
         if stack == "ours" and out["trained_again_s"] is not None:
             try:
@@ -179,6 +220,64 @@ def one(stack: str, work: Path, cap: float, epochs: int, save_every: int) -> dic
         return out
     finally:
         _end(proc, mark)
+
+
+def _inplace(proc: subprocess.Popen[bytes], run: Path, probe: Path,
+             cap: float) -> dict[str, Any]:
+    """The `inplace` stack, from rank 0's snapshot on: rank 1 killed, its events measured."""
+    launched = {e["rank"]: e["pid"] for e in _events(run) if e["event"] == "start"}
+    os.kill(launched[1], signal.SIGKILL)
+    t_kill = time.time()
+    survivors = {launched[r] for r in launched if r != 1}
+    stepped: dict[int, float] = {}  # pid -> ts of its first_step after the kill
+    formed: dict[int, float] = {}  # pid -> ts of its reset after the kill
+    while time.time() - t_kill < cap and len(stepped) < NP - 1:
+        for e in _events(run):
+            if e["ts"] >= t_kill and e["event"] == "first_step":
+                stepped.setdefault(e["pid"], e["ts"])
+            elif e["ts"] >= t_kill and e["event"] == "reset":
+                formed.setdefault(e["rank"], e["ts"])
+        if proc.poll() is not None and len(stepped) < NP - 1:
+            break
+        time.sleep(0.02)
+    probe_steps = [m["ts"] for m in _marks(probe) if m["mark"] == "step" and m["ts"] >= t_kill]
+    out: dict[str, Any] = dict(
+        trained_again_s=round(max(stepped.values()) - t_kill, 3)
+        if len(stepped) == NP - 1 else None,
+        group_formed_s=round(max(formed.values()) - t_kill, 3)
+        if len(formed) == NP - 1 else None,
+        probe_trained_again_s=round(max(probe_steps) - t_kill, 3)
+        if len(probe_steps) == NP - 1 else None,
+        survivors_kept_pids=set(stepped) == survivors if len(stepped) == NP - 1 else None,
+    )
+    evs = _events(run)
+    failed = [e["ts"] for e in evs if e["event"] == "failure_detected" and e["ts"] >= t_kill]
+    out["detected_s"] = round(max(failed) - t_kill, 3) if failed else None
+    if out["trained_again_s"] is None:
+        return {**out, "exit_code": proc.poll(), "snapshot_loaded": False}
+    try:
+        out["exit_code"] = proc.wait(timeout=cap + 120)
+    except subprocess.TimeoutExpired:
+        out["exit_code"] = None
+    evs = _events(run)
+    text = (run / "console.log").read_text(errors="replace")
+    done = [e for e in evs if e["event"] == "done"]
+    probed = {}
+    for f in probe.glob("rank*.json"):
+        rec = json.loads(f.read_text())
+        probed[rec["rank"]] = rec["digest"]
+    final = [d for r, d in probed.items() if r < NP - 1]  # the final world's ranks 0 and 1
+    out.update(
+        snapshot_loaded="Resuming training from snapshot" in text,
+        restored=sum(1 for e in evs if e["event"] == "restore" and e["ts"] >= t_kill)
+        == NP - 1,
+        starts=sum(1 for e in evs if e["event"] == "start"),
+        reset_sizes=sorted({e.get("new_size") for e in evs if e["event"] == "reset"}),
+        ranks_reported=len(final),
+        ranks_equal=len(final) == NP - 1 and len(set(final)) == 1 and len(done) == NP - 1
+        and len({json.dumps(e.get("digests"), sort_keys=True) for e in done}) == 1,
+    )
+    return out
 
 
 SAVE = """
@@ -211,7 +310,7 @@ def main() -> int:
     p.add_argument("--cap", type=float, default=60.0)
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--save-every", type=int, default=2)
-    p.add_argument("--stacks", default="ours,plain")
+    p.add_argument("--stacks", default="ours,plain,inplace")
     p.add_argument("--save-seconds", type=int, default=200, metavar="N")
     p.add_argument("--out", default="")
     args = p.parse_args()
@@ -224,18 +323,21 @@ def main() -> int:
             rows.append(r)
     window = save_window(work, args.save_seconds) if args.save_seconds else {}
     print(f"\n| stack | runs | kill -> every rank trains again: median / max | kill -> group "
-          f"formed: median / max | trained again within {args.cap:g} s | exit 0, snapshot "
-          "loaded, ranks equal | exit codes (None: running at the cap) |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+          f"formed: median / max | trained again within {args.cap:g} s | exit 0, resumed "
+          "(snapshot loaded; inplace: commit restored), ranks equal | survivors kept their "
+          "PIDs | exit codes (None: running at the cap) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for stack in args.stacks.split(","):
         rs = [r for r in rows if r["stack"] == stack and "error" not in r]
         again = [r["trained_again_s"] for r in rs if r["trained_again_s"] is not None]
         formed = [r["group_formed_s"] for r in rs if r["group_formed_s"] is not None]
-        whole = sum(1 for r in rs if r.get("exit_code") == 0 and r.get("snapshot_loaded")
-                    and r.get("ranks_equal"))
+        whole = sum(1 for r in rs if r.get("exit_code") == 0 and r.get("ranks_equal")
+                    and r.get("restored" if stack == "inplace" else "snapshot_loaded"))
+        kept = sum(1 for r in rs if r.get("survivors_kept_pids"))
         print(f"| {stack} | {len(rs)} | {_summary(again, args.cap)} | "
               f"{_summary(formed, args.cap)} | {len(again)} of {len(rs)} | {whole} of "
-              f"{len(rs)} | {', '.join(str(r.get('exit_code')) for r in rs)} |")
+              f"{len(rs)} | {kept} of {len(again)} | "
+              f"{', '.join(str(r.get('exit_code')) for r in rs)} |")
     if window:
         print(f"\nthe script's torch.save of snapshot.pt: median {window['median_ms']} ms, max "
               f"{window['max_ms']} ms over {window['saves']} saves")

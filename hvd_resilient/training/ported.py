@@ -98,7 +98,7 @@ def explicit_location(cfg: TrainConfig) -> bool:
 def wired_already(state: Any) -> bool:
     """The script built its own `DurableCheckpoints` or `MemoryCommits` over this state (they
     register their hooks on it at construction; the state keeps them in its hook lists)."""
-    hooks = [*getattr(state, "_after_sync", []), *getattr(state, "_before_commit", [])]
+    hooks = [*state._after_sync, *state._before_commit]  # every state has both (StateCore)
     return any(isinstance(getattr(h, "__self__", None), (DurableCheckpoints, MemoryCommits))
                for h in hooks)
 
