@@ -2,9 +2,11 @@
 
 Same semantics as Horovod's wrapper (restore on HorovodInternalError, sync unless only hosts
 were removed, then reset), but each transition is an event with its timing, so an operator and
-the recovery benchmark can see detection, reset and sync separately. Outside an elastic
-`horovodrun` (mpirun, a single process) there is nothing to recover in-process: the state is
-synced once and a failure ends the job, to be resumed from a durable checkpoint.
+the recovery benchmark can see detection, reset and sync separately. The loop itself is the
+backends' one (`backends/recovery.py`); this module fills its `World` with Horovod's calls.
+Outside an elastic `horovodrun` (mpirun, a single process) there is nothing to recover
+in-process: the world is formed once, the state synced once, and a failure ends the job, to be
+resumed from a durable checkpoint.
 """
 
 from __future__ import annotations

@@ -3,10 +3,12 @@
 A fault is anything that fails a collective: a peer that died (its kernel hangs up, and the
 Gloo hang-up watch spreads that to every rank at once), a peer its heartbeats found silent
 (the agent ends it), a collective error. Each survivor then: hangs up on its peers (so none
-waits out its timeout on this rank), drops the generation's group locally (its sockets are
-shut: nothing left to wait for, measured 0.1 ms), asks the agent for the next generation,
-restores its last in-memory commit, forms the new group and syncs (`state.agreement`, rank 0 a
-survivor). The step loop goes on; the sampler re-plans the rest of the epoch for the new size.
+waits out its timeout on this rank), restores its last in-memory commit, drops the
+generation's group locally (its sockets are shut: nothing left to wait for, measured 0.1 ms),
+asks the agent for the next generation, forms the new group and syncs (`state.agreement`, rank
+0 a survivor). The step loop goes on; the sampler re-plans the rest of the epoch for the new
+size. That order is the backends' one recovery loop (`backends/recovery.py`); `_Generations`
+says how a generation is left and entered.
 """
 
 from __future__ import annotations
