@@ -75,6 +75,9 @@ class _Generations:
 
     def __init__(self, backend: InPlaceBackend, m: Membership, state: Any) -> None:
         self.backend, self.m = backend, m
+        self.reset_pending = False
+        """A new generation's state hooks (`reset_done`) are still to run: at the sync, where
+        the detectors watch their collectives."""
         self.hangup = watch = GlooWatch()
         self.detectors = Detectors(watch, SilentPeers(
             backend.heartbeat_timeout_s, state.events, machine=socket.gethostname(),
@@ -98,9 +101,9 @@ class _Generations:
 
     def sync(self, state: Any, rider: Any, arm: Callable[[list[Any]], None]) -> None:
         arm(self.allgather(rider))
-        if self.backend._reset_pending:  # watched: the hooks' collectives (fsdp's reload)
-            state.reset_done()  # fail fast on a lost peer
-            self.backend._reset_pending = False
+        if self.reset_pending:  # watched: the hooks' collectives (fsdp's reload) fail fast
+            state.reset_done()  # on a lost peer
+            self.reset_pending = False
         state.sync()
 
     def armed(self, counts: dict[str, int], on_this_machine: int) -> int | None:
@@ -142,7 +145,7 @@ class _Generations:
             raise recovery.Evicted(str(e)) from e
 
     def rejoined(self, state: Any) -> None:
-        self.backend._reset_pending = True  # the after-reset hooks run watched, at the sync
+        self.reset_pending = True  # the after-reset hooks run watched, at the next sync
 
     def finish(self) -> None:
         dist.barrier()
@@ -172,7 +175,6 @@ class InPlaceBackend(Backend):
         self.generation_timeout_s = generation_timeout_s
         self.membership: Membership | None = None
         self.collectives = TorchDistCollectives()
-        self._reset_pending = False
 
     def init(self, comm: Any | None = None) -> None:
         determinism.apply(self.deterministic)
