@@ -2,7 +2,8 @@
 torchrun, or torch.distributed in place (generations under the in-place agent).
 
 `detect()` reads which launcher started this process; the trainer and the durable checkpoints
-talk to whichever backend through the small interface in `base.py`.
+talk to whichever backend through the small interface in `base.py`. Every backend's `run`
+goes through the one recovery loop in `recovery.py`, filling its `World`.
 """
 
 from __future__ import annotations

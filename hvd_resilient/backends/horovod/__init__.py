@@ -1,10 +1,10 @@
 """Horovod: elastic under horovodrun (Gloo), static under mpirun/srun (MPI controller).
 
-Everything that knows Horovod lives in this folder: joining the world (init), the elastic run
-loop (run), the state that commits/restores/syncs (state), per-slot host names (slots), fast
-failure detection (detect/), and the one module that touches Horovod's private internals
-(compat). Names resolve lazily so that the launcher side can import ``slots`` without
-importing ``horovod.torch``.
+Everything that knows Horovod lives in this folder: joining the world (init), the elastic and
+static worlds of the recovery loop (run), the state that commits/restores/syncs (state),
+per-slot host names (slots), fast failure detection (detect/), and the one module that touches
+Horovod's private internals (compat). Names resolve lazily so that the launcher side can import
+``slots`` without importing ``horovod.torch``.
 """
 
 from __future__ import annotations

@@ -3,45 +3,38 @@
 A fault is anything that fails a collective: a peer that died (its kernel hangs up, and the
 Gloo hang-up watch spreads that to every rank at once), a peer its heartbeats found silent
 (the agent ends it), a collective error. Each survivor then: hangs up on its peers (so none
-waits out its timeout on this rank), drops the generation's group locally (its sockets are
-shut: nothing left to wait for, measured 0.1 ms), asks the agent for the next generation,
-restores its last in-memory commit, forms the new group and syncs (`state.agreement`, rank 0 a
-survivor). The step loop goes on; the sampler re-plans the rest of the epoch for the new size.
+waits out its timeout on this rank), restores its last in-memory commit, drops the
+generation's group locally (its sockets are shut: nothing left to wait for, measured 0.1 ms),
+asks the agent for the next generation, forms the new group and syncs (`state.agreement`, rank
+0 a survivor). The step loop goes on; the sampler re-plans the rest of the epoch for the new
+size. That order is the backends' one recovery loop (`backends/recovery.py`); `_Generations`
+says how a generation is left and entered.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
-import os
 import socket
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-import psutil
 import torch
 import torch.distributed as dist
 
-from hvd_resilient.backends import determinism
+from hvd_resilient.backends import determinism, recovery
 from hvd_resilient.backends.base import Backend
 from hvd_resilient.backends.inplace.busy import BusyReporter
 from hvd_resilient.backends.inplace.grads import GradientAverager
 from hvd_resilient.backends.inplace.membership import Fenced, Membership
 from hvd_resilient.backends.inplace.state import GenerationChanged, InPlaceState
 from hvd_resilient.backends.torchrun.collectives import TorchDistCollectives
-from hvd_resilient.detect import Detectors, hangup, progress
+from hvd_resilient.detect import Detectors, progress
 from hvd_resilient.detect.gloo_watch import GlooWatch
 from hvd_resilient.detect.heartbeat import Peer
 from hvd_resilient.detect.silent_peers import SilentPeers
-from hvd_resilient.errors import (
-    HUNG_EXIT_CODE,
-    ConfigError,
-    HvdResilientError,
-    exit_now,
-    one_line,
-)
+from hvd_resilient.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 MAX_FAILED_GENERATIONS = 5
@@ -59,17 +52,6 @@ def collective_failure(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and any(m in str(e) for m in _GLOO_MARKERS)
 
 
-def _resources() -> dict[str, int]:
-    """What a generation could leak, counted at every reset (50 in a row must stay flat)."""
-    return {"threads": threading.active_count(), "fds": len(os.listdir("/proc/self/fd")),
-            "rss_bytes": psutil.Process().memory_info().rss}
-
-
-class GenerationsFailed(HvdResilientError):
-    """Generations keep failing before their first commit: the fault is not a peer's, and a
-    restart would fail the same way, so the job stops with one line (exit 78, not relaunched)."""
-
-
 class _AgentEvict:
     """Silent peers are ended by the agent (`launch/inplace_agent.py`), which sees every
     worker; this rank's collectives fail now (the watch trips)."""
@@ -83,6 +65,90 @@ class _AgentEvict:
     def __call__(self, peers: list[Peer], detail: str) -> None:
         self.membership.evict([int(p.slot) for p in peers if p.slot.isdigit()], detail)
         self.trip(detail)
+
+
+class _Generations:
+    """The in-place world (`recovery.World`): a generation of torch.distributed groups that
+    the agent publishes; a fault or a join moves every member to the next one."""
+
+    failure_budget = MAX_FAILED_GENERATIONS
+
+    def __init__(self, backend: InPlaceBackend, m: Membership, state: Any) -> None:
+        self.backend, self.m = backend, m
+        self.reset_pending = False
+        """A new generation's state hooks (`reset_done`) are still to run: at the sync, where
+        the detectors watch their collectives."""
+        self.hangup = watch = GlooWatch()
+        self.detectors = Detectors(watch, SilentPeers(
+            backend.heartbeat_timeout_s, state.events, machine=socket.gethostname(),
+            slot=str(m.me), coordinator=None, evict=_AgentEvict(m, watch.trip),
+            quiet_for=watch.quiet_for))
+
+    def rank(self) -> int:
+        return self.backend.rank()
+
+    def size(self) -> int:
+        return self.backend.size()
+
+    def generation(self) -> int | None:
+        return self.m.generation
+
+    def machine(self) -> str:
+        return socket.gethostname()
+
+    def allgather(self, obj: Any) -> list[Any]:
+        return self.backend.allgather_object(obj)
+
+    def sync(self, state: Any, rider: Any, arm: Callable[[list[Any]], None]) -> None:
+        arm(self.allgather(rider))
+        if self.reset_pending:  # watched: the hooks' collectives (fsdp's reload) fail fast
+            state.reset_done()  # on a lost peer
+            self.reset_pending = False
+        state.sync()
+
+    def armed(self, counts: dict[str, int], on_this_machine: int) -> int | None:
+        return None  # the agent starts every worker with its share of the cores
+
+    def classify(self, error: Exception) -> recovery.Fault | None:
+        if isinstance(error, GenerationChanged):
+            return recovery.Fault(recovery.FaultKind.CHANGE, joined=True)
+        if collective_failure(error):
+            return recovery.Fault(recovery.FaultKind.FAILURE)
+        return None
+
+    def evicted(self) -> str | None:
+        return None  # the agent's store says so when the next generation is entered (form)
+
+    def changed(self, fault: recovery.Fault) -> None:
+        dist.barrier()  # every rank stopped watching before anyone hangs up
+
+    def leaving(self) -> str | None:
+        return None  # the agent ends a worker it removes
+
+    def leave(self, slot: str) -> int:
+        raise AssertionError("the agent ends a worker it removes")
+
+    def tear_down(self, fault: recovery.Fault) -> None:
+        if not self.m.reconfigure:  # (a reconfigured group is kept: `inplace.reconfigure`)
+            dist.destroy_process_group()  # local: its sockets are shut, nothing to wait for
+
+    def form(self, fault: recovery.Fault) -> None:
+        """The next generation that holds this worker: after a fault reported and asked for,
+        after a join already published."""
+        m = self.m
+        old_gen = m.generation
+        if fault.kind is recovery.FaultKind.FAILURE:
+            m.report_fault(old_gen)
+        try:
+            m.enter(old_gen, self.backend.pg_timeout)
+        except Fenced as e:
+            raise recovery.Evicted(str(e)) from e
+
+    def rejoined(self, state: Any) -> None:
+        self.reset_pending = True  # the after-reset hooks run watched, at the next sync
+
+    def finish(self) -> None:
+        dist.barrier()
 
 
 class InPlaceBackend(Backend):
@@ -109,7 +175,6 @@ class InPlaceBackend(Backend):
         self.generation_timeout_s = generation_timeout_s
         self.membership: Membership | None = None
         self.collectives = TorchDistCollectives()
-        self._reset_pending = False
 
     def init(self, comm: Any | None = None) -> None:
         determinism.apply(self.deterministic)
@@ -181,96 +246,15 @@ class InPlaceBackend(Backend):
             m.announce()  # members' stall at its join is the formation and the sync only
             with progress.section("standing by", None):  # a standby: the whole run, maybe
                 self._take_place(m)
-        watch = GlooWatch()
-        detectors = Detectors(watch, SilentPeers(
-            self.heartbeat_timeout_s, state.events, machine=socket.gethostname(),
-            slot=str(m.me), coordinator=None, evict=_AgentEvict(m, watch.trip),
-            quiet_for=watch.quiet_for))
         busy = BusyReporter(m.me).start()  # the agent's last call waits for a busy member
-        failed_in_a_row, last_commit = 0, state.last_commit_step
         if m.generation > 0 and m.announced_at is not None:  # a replacement, taken in now
             state.events.emit("joined", member=m.me, generation=m.generation,
                               ready_at=round(m.announced_at, 6),
                               waited_s=round(time.time() - m.announced_at, 6))
         try:
-            while True:
-                try:
-                    with progress.section("sync", None):
-                        counts = detectors.arm_with(self.rank(), self.allgather_object)
-                        state.events.emit("watch", generation=m.generation, **counts)
-                        if self._reset_pending:  # watched: the hooks' collectives (fsdp's
-                            state.reset_done()  # reload) fail fast on a lost peer
-                            self._reset_pending = False
-                        t0 = time.time()
-                        state.sync()
-                        state.events.emit("sync", seconds=round(time.time() - t0, 6))
-                    fn(state)
-                    detectors.disarm()  # nobody leaves while a peer still watches
-                    dist.barrier()
-                    return
-                except GenerationChanged:
-                    detectors.disarm()
-                    dist.barrier()  # every rank stopped watching before anyone hangs up
-                    self._move_to_newest(state)
-                except Exception as e:
-                    if not collective_failure(e):
-                        raise
-                    detected = time.time()
-                    hangup.hang_up(watch.stand_down())  # peers blocked on this rank fail now
-                    detectors.disarm()
-                    if state.last_commit_step != last_commit:
-                        failed_in_a_row, last_commit = 0, state.last_commit_step
-                    failed_in_a_row += 1
-                    if failed_in_a_row > MAX_FAILED_GENERATIONS:
-                        raise GenerationsFailed(
-                            f"{failed_in_a_row} generations in a row failed before a commit; "
-                            f"last: {one_line(e, typed=True)}") from e
-                    self._next_generation(state, e, detected, watch)
+            recovery.run(_Generations(self, m, state), state, lambda: fn(state))
         finally:
             busy.stop()
-            detectors.disarm()
-
-    def _next_generation(self, state: Any, error: BaseException, detected: float,
-                         watch: GlooWatch) -> None:
-        m = self.membership
-        assert m is not None  # run() checked it
-        hung_up = watch.detected_at
-        state.events.emit("failure_detected", error=one_line(error, typed=True),
-                          peer_hangup=watch.detail or None, generation=m.generation,
-                          detect_seconds=round(detected - hung_up, 6) if hung_up else None)
-        self._reform(state, detected, after_fault=True)
-
-    def _move_to_newest(self, state: Any) -> None:
-        """A worker joins: the members leave their generation at the same commit (no fault,
-        nothing restored) for the newest one, and the sync sends the newcomer the state."""
-        self._reform(state, time.time(), after_fault=False)
-
-    def _reform(self, state: Any, since: float, *, after_fault: bool) -> None:
-        """Leaves this generation for the next one that holds this worker: after a fault
-        restored and asked for, after a join already published."""
-        m = self.membership
-        assert m is not None
-        old_gen, old_size = m.generation, self.size()
-        with progress.section("reset", None):
-            if after_fault:
-                state.restore()
-            if not m.reconfigure:  # (a reconfigured group is kept: `inplace.reconfigure`)
-                dist.destroy_process_group()  # local: its sockets are shut, nothing to wait for
-            if after_fault:
-                m.report_fault(old_gen)
-            try:
-                m.enter(old_gen, self.pg_timeout)
-            except Fenced as e:
-                logger.error("%s; exiting (code %d)", e, HUNG_EXIT_CODE)
-                exit_now(HUNG_EXIT_CODE)
-        self._reset_pending = True  # the after-reset hooks run in the loop (run())
-        joined = {} if after_fault else {"joined": True}
-        state.events.emit("reset", old_size=old_size, new_size=self.size(),
-                          generation=m.generation, seconds=round(time.time() - since, 6),
-                          **joined, **_resources())
-        if self.rank() == 0:
-            logger.info("generation %d: world size %d -> %d%s", m.generation, old_size,
-                     self.size(), "" if after_fault else " (a worker joined)")
 
     def allgather_object(self, obj: Any) -> list[Any]:
         return self.collectives.allgather_object(obj)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hvd_resilient.backends import determinism
+from hvd_resilient.backends import determinism, recovery
 from hvd_resilient.backends.base import Backend
 from hvd_resilient.backends.torchrun.collectives import TorchDistCollectives
 from hvd_resilient.backends.torchrun.state import TorchrunState
@@ -111,12 +111,7 @@ class TorchDistBackend(Backend):
                              slot=f"local rank {env.get('LOCAL_RANK', '?')}",
                              coordinator=self.coordinator)
         # No Gloo hang-up watch: torchrun's agent sees a dead worker and restarts every one.
-        detectors = Detectors(silent)
-        state.events.emit("watch", **detectors.arm_with(self.rank(), self.allgather_object))
-        state.sync()
-        fn(state)
-        detectors.disarm()  # still sending: nobody leaves while a peer still judges
-        dist.barrier()
+        recovery.run(_TorchrunWorld(self, Detectors(silent)), state, lambda: fn(state))
         # Past this barrier no collective of ours is in flight, so releasing the groups cannot
         # wait on a peer. Left to interpreter teardown, Gloo's worker threads still hold
         # tensors whose release needs the GIL, and the process can abort with "terminate
@@ -136,6 +131,32 @@ class TorchDistBackend(Backend):
 
     def shutdown(self) -> None:
         _release_groups()
+
+
+class _TorchrunWorld(recovery.FormOnce):
+    """torchrun's world is formed once: its agent restarts every worker after a failure."""
+
+    def __init__(self, backend: TorchDistBackend, detectors: Detectors) -> None:
+        self.backend, self.detectors = backend, detectors
+
+    def rank(self) -> int:
+        return self.backend.rank()
+
+    def size(self) -> int:
+        return self.backend.size()
+
+    def machine(self) -> str:
+        return socket.gethostname()
+
+    def allgather(self, obj: Any) -> list[Any]:
+        return self.backend.allgather_object(obj)
+
+    def sync(self, state: Any, rider: Any, arm: Callable[[list[Any]], None]) -> None:
+        arm(self.allgather(rider))
+        state.sync()
+
+    def finish(self) -> None:
+        dist.barrier()  # detectors disarmed: nobody leaves while a peer still judges
 
 
 def _release_groups() -> None:
