@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from hvd_resilient import event_names as ev
 from hvd_resilient.events import EventLog, read_events, read_recent_events
 
 EVENTS_FILE = "events.jsonl"
@@ -29,7 +30,7 @@ def fatal_events(path: str | os.PathLike[str], since: float, *,
     `since` finds what was written since; None reads the whole log (the supervisor: after a
     rank's fatal error the other ranks may train on and write far more than the tail)."""
     events = read_events(path) if tail_bytes is None else read_recent_events(path, tail_bytes)
-    return [e for e in events if e["event"] == "fatal" and e["ts"] >= since]
+    return [e for e in events if e["event"] == ev.FATAL and e["ts"] >= since]
 
 
 def record_fatal(run_dir: str, error: str, since: float, *, rank: int | None,
@@ -44,7 +45,7 @@ def record_fatal(run_dir: str, error: str, since: float, *, rank: int | None,
         if any(e.get("error") == error for e in fatal_events(path, since)):
             return True
         EventLog(path, rank=-1 if rank is None else rank, size=size or 0, step=-1).emit(
-            "fatal", error=error, restartable=False, pid=os.getpid(),
+            ev.FATAL, error=error, restartable=False, pid=os.getpid(),
             rank_source="launcher environment")
         return True
     except Exception:  # a full disk or a vanished run folder: the caller prints the line

@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from hvd_resilient import event_names as ev
 from hvd_resilient.backends import INPLACE_AGENT_ENV
 from hvd_resilient.backends.inplace import reconfigure
 from hvd_resilient.backends.inplace.backend import InPlaceBackend
@@ -116,7 +117,7 @@ def _join(backend: str | None, init_method: str | None, timeout: datetime.timede
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         session.solo = True
     set_torchrun_env(b.rank(), b.size())
-    events.emit("start", pid=os.getpid(), host=socket.gethostname(), backend=b.name,
+    events.emit(ev.START, pid=os.getpid(), host=socket.gethostname(), backend=b.name,
                 run_id=cfg.run_id, adapter="ddp", reconfigure=in_place)
     _session = session
 

@@ -33,6 +33,7 @@ from typing import Any, Protocol, TypeVar
 
 import psutil
 
+from hvd_resilient import event_names as ev
 from hvd_resilient.detect import Detectors, gloo_watch, hangup, progress
 from hvd_resilient.detect.gloo_watch import GlooWatch
 from hvd_resilient.detect.silent_peers import SilentPeers
@@ -237,7 +238,7 @@ class _Loop:
                 return
             t0 = time.time()
             world.sync(self.state, rider, self._arm)
-            self.state.events.emit("sync", seconds=round(time.time() - t0, 6))
+            self.state.events.emit(ev.SYNC, seconds=round(time.time() - t0, 6))
 
     def _arm(self, everyone: list[Any]) -> None:
         """Arms from every rank's offers and machine, as the start's first allgather brought
@@ -246,7 +247,7 @@ class _Loop:
         counts = world.detectors.arm(world.rank(), [offers for offers, _ in everyone])
         machine = world.machine()
         threads = world.armed(counts, sum(m == machine for _, m in everyone))
-        self.state.events.emit("watch", connections=counts.get(GlooWatch.name),
+        self.state.events.emit(ev.WATCH, connections=counts.get(GlooWatch.name),
                                heartbeats=counts.get(SilentPeers.name), threads=threads,
                                generation=world.generation())
 
@@ -266,7 +267,7 @@ class _Loop:
             self._count_failure(error)
             hung_up = world.hangup.detected_at if world.hangup is not None else None
             state.events.emit(
-                "failure_detected", error=one_line(error, typed=True),
+                ev.FAILURE_DETECTED, error=one_line(error, typed=True),
                 peer_hangup=(world.hangup.detail if world.hangup is not None else "") or None,
                 generation=world.generation(),
                 detect_seconds=round(detected - hung_up, 6) if hung_up else None)
@@ -300,7 +301,7 @@ class _Loop:
         world.changed(fault)  # a collective hand-over keeps the step budget
         slot = world.leaving()
         if slot is not None:
-            self.state.events.emit("left_job", slot=slot)
+            self.state.events.emit(ev.LEFT_JOB, slot=slot)
             logger.info("slot %s left the job (discovery no longer lists it); this worker exits",
                         slot)
             with progress.section("leaving", None):  # the rendezvous waits as long as a reset's
@@ -325,7 +326,7 @@ class _Loop:
             t2 = time.time()
             world.rejoined(state)
         gen = world.generation()
-        state.events.emit("reset", old_size=old_size, new_size=world.size(), generation=gen,
+        state.events.emit(ev.RESET, old_size=old_size, new_size=world.size(), generation=gen,
                           seconds=round(time.time() - since, 6), shutdown_s=round(t1 - t0, 4),
                           init_s=round(t2 - t1, 4), state_s=round(time.time() - t2, 4),
                           joined=fault.joined, **resources())

@@ -25,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from hvd_resilient import event_names as ev
 from hvd_resilient.checkpoint.errors import CheckpointCorruptError
 from hvd_resilient.checkpoint.events import EventFn, emit
 from hvd_resilient.checkpoint.host_buffers import HostBufferPool
@@ -306,7 +307,7 @@ class CheckpointReader:
                 "checkpoint %s is corrupt (%s); falling back to an older one",
                 step_dir(step), reason,
             )
-            emit(self.on_event, "checkpoint_skipped", {
+            emit(self.on_event, ev.CHECKPOINT_SKIPPED, {
                 "ckpt_step": step, "reason": reason, "url": f"{self.url}/{step_dir(step)}",
             })
         return None

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from hvd_resilient import event_names as ev
 from hvd_resilient.checkpoint.errors import CheckpointExistsError
 from hvd_resilient.checkpoint.events import EventFn, emit
 from hvd_resilient.checkpoint.fence import CheckpointFencedError
@@ -215,7 +216,7 @@ class AsyncCheckpointWriter:
     def _report_superseded(self, old: _Job, by_step: int) -> None:
         self.superseded += 1
         logger.info("checkpoint of step %d superseded by step %d before upload", old.step, by_step)
-        emit(self.on_event, "checkpoint_superseded", {"ckpt_step": old.step, "by_step": by_step})
+        emit(self.on_event, ev.CHECKPOINT_SUPERSEDED, {"ckpt_step": old.step, "by_step": by_step})
 
     def _run(self) -> None:
         while True:
@@ -251,7 +252,7 @@ class AsyncCheckpointWriter:
             # A relaunch took the run over: nothing this job writes may count any more, and
             # training on would only burn the machine. One line, and the process ends.
             self.failed += 1
-            emit(self.on_event, "checkpoint_fenced", {"ckpt_step": job.step, "epoch": e.epoch,
+            emit(self.on_event, ev.CHECKPOINT_FENCED, {"ckpt_step": job.step, "epoch": e.epoch,
                                                       "fence": e.fence})
             stop_fenced(e)
             return None
@@ -263,21 +264,21 @@ class AsyncCheckpointWriter:
                 self.last_saved = existing
                 logger.info("checkpoint of step %d was published already: %s",
                             job.step, existing.url)
-                emit(self.on_event, "checkpoint_already_published",
+                emit(self.on_event, ev.CHECKPOINT_ALREADY_PUBLISHED,
                      {"ckpt_step": job.step, "url": existing.url})
                 return existing
             self.failed += 1
-            emit(self.on_event, "checkpoint_failed", {"ckpt_step": job.step, "error": one_line(e)})
+            emit(self.on_event, ev.CHECKPOINT_FAILED, {"ckpt_step": job.step, "error": one_line(e)})
             return None
         except Exception as e:  # anything: a failed checkpoint must never stop training
             self.failed += 1
             logger.warning("checkpoint of step %d to %s failed: %s",
                            job.step, self.manager.url, one_line(e))
-            emit(self.on_event, "checkpoint_failed", {"ckpt_step": job.step, "error": one_line(e)})
+            emit(self.on_event, ev.CHECKPOINT_FAILED, {"ckpt_step": job.step, "error": one_line(e)})
             return None
         self.saved += 1
         self.last_saved = info
-        emit(self.on_event, "checkpoint_saved", {
+        emit(self.on_event, ev.CHECKPOINT_SAVED, {
             "ckpt_step": job.step,
             "epoch": job.epoch,
             "seconds": round(t2 - t0, 6),

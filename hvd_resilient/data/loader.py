@@ -64,6 +64,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, default_collate
 
+from hvd_resilient import event_names as ev
 from hvd_resilient.config import DataOptions
 from hvd_resilient.data.errors import DataError
 from hvd_resilient.die_with_parent import die_with_parent
@@ -633,7 +634,7 @@ class ElasticLoader:
     def _report_bad(self, batch: LoadedBatch) -> None:
         fatal = self.options.on_bad_sample == "fatal"
         self.skipped += 0 if fatal else len(batch.bad)
-        self.events.emit("bad_sample", count=len(batch.bad), action="fatal" if fatal else "skip",
+        self.events.emit(ev.BAD_SAMPLE, count=len(batch.bad), action="fatal" if fatal else "skip",
                          skipped_total=self.skipped,
                          samples=[b.as_dict() for b in batch.bad[:MAX_BAD_IN_EVENT]])
         first = batch.bad[0]
@@ -728,7 +729,7 @@ class ElasticLoader:
                     if gone and not any(str(pid) in error for pid in gone):
                         # a reset connection names no worker: say which one(s) died
                         error += f" (worker pid {', '.join(map(str, gone))} gone)"
-                    self.events.emit("loader_worker_lost", error=error,
+                    self.events.emit(ev.LOADER_WORKER_LOST, error=error,
                                      losses=self.worker_losses, redo_batches=len(pending))
                     logger.warning("a loader worker died (%s); new workers resume at the "
                                    "first batch not delivered", e)

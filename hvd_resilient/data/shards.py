@@ -37,6 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from hvd_resilient import event_names as ev
 from hvd_resilient.data.errors import BadShardError, DataError
 
 logger = logging.getLogger(__name__)
@@ -471,7 +472,7 @@ class ShardedDataset:
     def _report_bad_shard(self, key: str, reason: str) -> None:
         if self._emit is not None and key not in self._reported:
             self._reported.add(key)
-            self._emit("bad_shard", shard=f"{self.index.url}/{key}", error=reason)
+            self._emit(ev.BAD_SHARD, shard=f"{self.index.url}/{key}", error=reason)
 
     def request(self, shards: Iterable[int]) -> None:
         """Start fetching these shards (the coming ones); returns at once."""

@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from hvd_resilient import event_names as ev
 from hvd_resilient.errors import HUNG_EXIT_CODE, exit_now
 
 logger = logging.getLogger(__name__)
@@ -176,7 +177,7 @@ class ProgressWatchdog:
         path = self.dump_stacks(rank)
         on = self._waiting_on if self._waiting else ""
         cause = self._diagnosis()
-        self.emit("hang_detected", section=name, idle_seconds=round(idle, 3),
+        self.emit(ev.HANG_DETECTED, section=name, idle_seconds=round(idle, 3),
                   budget_seconds=round(budget, 3), stacks=str(path) if path else None,
                   exit_code=HUNG_EXIT_CODE, waiting_on=on or None, cause=cause or None)
         logger.error("rank %s made no progress for %.1fs in %s%s (budget %.1fs)%s; stacks in "

@@ -24,6 +24,7 @@ import signal
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from hvd_resilient import event_names as ev
 from hvd_resilient.detect import heartbeat
 from hvd_resilient.errors import HUNG_EXIT_CODE, exit_now
 
@@ -116,7 +117,7 @@ class SilentPeers:
                       "off or frozen); exiting (code %d) without writing", names, HUNG_EXIT_CODE)
             self._exit()
         logger.warning("%s silent for %.1fs: frozen or cut off; evicting", names, silent_s)
-        self.events.emit("peer_silent", ranks=[p.rank for p in peers],
+        self.events.emit(ev.PEER_SILENT, ranks=[p.rank for p in peers],
                          slots=[p.slot for p in peers], silent_seconds=round(silent_s, 3))
         killed = kill_local(peers, self.machine, self.hb.view)
         detail = f"{names} silent for {silent_s:.1f}s" + (f"; killed pid {killed}" if killed
@@ -133,7 +134,7 @@ class SilentPeers:
         that restarts every worker, this one's collectives may never fail (MPI's do not), so
         it leaves now and the launcher restarts the job at once."""
         names = ", ".join(f"rank {p.rank} (pid {p.pid})" for p in peers)
-        self.events.emit("peer_exited", ranks=[p.rank for p in peers],
+        self.events.emit(ev.PEER_EXITED, ranks=[p.rank for p in peers],
                          pids=[p.pid for p in peers])
         logger.error("%s ended; exiting (code %d) so that the launcher restarts the job now",
                      names, HUNG_EXIT_CODE)

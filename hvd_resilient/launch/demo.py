@@ -43,6 +43,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hvd_resilient import event_names as ev
 from hvd_resilient.errors import LaunchError
 from hvd_resilient.launch.horovod.command import ElasticLaunch, horovodrun_command
 
@@ -83,7 +84,7 @@ class EventTail:
         return new
 
     def commits(self) -> list[dict[str, Any]]:
-        return [e for e in self.events if e["event"] == "commit"]
+        return [e for e in self.events if e["event"] == ev.COMMIT]
 
     def size(self) -> int:
         c = self.commits()
@@ -126,12 +127,12 @@ def _script(tail: EventTail, job: subprocess.Popen[bytes], hosts: Path, np: int)
     _say(f"training: world size {tail.size()}, one rank per slot")
     _say(f"a worker will be killed with SIGKILL at step {KILL_STEP}")
     if not _wait(tail, job, "the kill", lambda: any(
-            e["event"] == "restore" for e in tail.events), 600):
+            e["event"] == ev.RESTORE for e in tail.events), 600):
         return False
-    restore = next(e for e in tail.events if e["event"] == "restore")
+    restore = next(e for e in tail.events if e["event"] == ev.RESTORE)
     fired = [float(f.read_text()) for f in tail.path.parent.glob(".fault-*")]
     took = f" {restore['ts'] - min(fired):.2f} s after the kill" if fired else ""
-    detected = [e for e in tail.events if e["event"] == "failure_detected"]
+    detected = [e for e in tail.events if e["event"] == ev.FAILURE_DETECTED]
     how = " by a peer's hang-up" if detected and detected[0].get("peer_hangup") else ""
     _say(f"worker killed; the survivors noticed{how} and restored the last commit{took}: "
          f"step {restore['to_step']}, {restore['lost_steps']} steps to redo")
@@ -187,11 +188,11 @@ def _after(tail: EventTail, t0: float, event: str, size: int) -> str:
 def _say_growth(tail: EventTail, size: int) -> None:
     """What the growth cost the workers already training: the newcomer's warm-up (they trained
     on meanwhile) and the reset (they waited)."""
-    held = [e for e in tail.events if e["event"] == "standby_wait"]
+    held = [e for e in tail.events if e["event"] == ev.STANDBY_WAIT]
     resets = [e for e in tail.events
-              if e["event"] == "reset" and e["new_size"] == size and e["rank"] == 0]
+              if e["event"] == ev.RESET and e["new_size"] == size and e["rank"] == 0]
     if held:
-        pooled = any(e["event"] == "warm_pool_ready" for e in tail.events)
+        pooled = any(e["event"] == ev.WARM_POOL_READY for e in tail.events)
         how = ("was forked from the warm pool (its imports done ahead) and set itself up"
                if pooled else "imported torch and Horovod and set itself up (a standby worker, "
                "started at once)")
@@ -314,7 +315,7 @@ def _ranks_agree(events_path: Path) -> bool | None:
     None when no rank got that far."""
     from hvd_resilient.events import read_events
 
-    done = {e["rank"]: e for e in read_events(events_path) if e["event"] == "done"}
+    done = {e["rank"]: e for e in read_events(events_path) if e["event"] == ev.DONE}
     if not done:
         _say("no rank finished: nothing to compare")
         return None

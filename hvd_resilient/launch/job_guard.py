@@ -31,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+from hvd_resilient import event_names as ev
+
 JOB_ENV = "HVD_RESILIENT_JOB"
 """The token in the environment of every process of one supervised job."""
 
@@ -119,7 +121,7 @@ def main(argv: list[str]) -> int:
         from hvd_resilient.events import EventLog
 
         log = EventLog(Path(run_dir) / "events.jsonl", rank=-1, size=0, step=0, lease_epoch=0)
-        log.emit("job_ended_with_supervisor", processes=ended,
+        log.emit(ev.JOB_ENDED_WITH_SUPERVISOR, processes=ended,
                  seconds=round(time.time() - t0, 3))
         print(f"hvd-resilient run: the supervisor is gone; ended its job ({ended} processes)",
               file=sys.stderr, flush=True)

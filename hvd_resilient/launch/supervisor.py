@@ -32,24 +32,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from hvd_resilient import event_names as ev
 from hvd_resilient.errors import FATAL_EXIT_CODE
 from hvd_resilient.events import EventLog, read_events
 from hvd_resilient.fatal_events import fatal_events
 from hvd_resilient.launch.job_guard import JOB_ENV, Guard, end_job
 from hvd_resilient.launch.launcher_output import OutputFacts, Tee
-from hvd_resilient.launch.torchrun_worker import FIRST_STEP
 from hvd_resilient.run_lease import Renewal
 
 logger = logging.getLogger(__name__)
 SUPERVISOR_RANK = -1
-PROGRESS = ("commit", "memory_commit", "checkpoint_saved")
+PROGRESS = (ev.COMMIT, ev.MEMORY_COMMIT, ev.CHECKPOINT_SAVED)
 """Events that say a launch trained: what it did is kept, and a relaunch goes on from it."""
 
 
 def trained_evidence(evs: list[dict]) -> str | None:
     """The event that shows a launch got as far as training (module doc): "start", else
     FIRST_STEP, else None. Only ranks' events count (rank >= 0), never the supervisor's."""
-    for name in ("start", FIRST_STEP):
+    for name in (ev.START, ev.FIRST_STEP):
         if any(e["event"] == name and e["rank"] >= 0 for e in evs):
             return name
     return None
@@ -126,7 +126,7 @@ class Supervisor:
         nothing. A launch that committed progress failed on something new (a dead rank under
         mpirun): at once, every second counts. Backing off is for crash loops, launches that
         fail before their first commit: 1, 2, 4 s ... up to the maximum."""
-        began = max((e.get("from_step", 0) for e in evs if e["event"] == "resume"), default=0)
+        began = max((e.get("from_step", 0) for e in evs if e["event"] == ev.RESUME), default=0)
         if any(e["event"] in PROGRESS and e["rank"] >= 0 and e.get("step", 0) > began
                for e in evs):
             return 0.0, 0
@@ -138,7 +138,7 @@ class Supervisor:
         guard = Guard(self.env[JOB_ENV], str(self.events_path.parent)) \
             if JOB_ENV in self.env else None
         if self.renewal is not None:
-            self.events.emit("lease_taken", holder=self.renewal.lease.holder)
+            self.events.emit(ev.LEASE_TAKEN, holder=self.renewal.lease.holder)
             self.renewal.on_lost = self._lease_lost
         try:
             return self._run()
@@ -151,7 +151,7 @@ class Supervisor:
         ended, and the supervisor does not relaunch."""
         self._lost = why
         self._stopping = True
-        self.events.emit("lease_lost", error=why)
+        self.events.emit(ev.LEASE_LOST, error=why)
         logger.error("%s; ending this job", why)
         if JOB_ENV in self.env:
             end_job(self.env[JOB_ENV])
@@ -162,10 +162,10 @@ class Supervisor:
         attempt = streak = 0
         while True:
             t0 = time.time()
-            self.events.emit("launch", attempt=attempt, command=self.cmd[0])
+            self.events.emit(ev.LAUNCH, attempt=attempt, command=self.cmd[0])
             code, facts = self._launch()
             evs = self._events_since(t0)
-            self.events.emit("launcher_exit", attempt=attempt, exit_code=code)
+            self.events.emit(ev.LAUNCHER_EXIT, attempt=attempt, exit_code=code)
             fatal = fatal_events(self.events_path, t0, tail_bytes=None)
             if fatal:
                 # Checked before the exit code: a launcher can exit 0 after a rank reported a
@@ -183,20 +183,20 @@ class Supervisor:
                 # A script that writes no events (a plain Horovod one) may well have trained:
                 # say what is known, and only that.
                 return Outcome(code, attempt, f"not restarting: no rank wrote a `start` event "
-                               f"(nor `{FIRST_STEP}`, a torchrun worker's first optimizer "
+                               f"(nor `{ev.FIRST_STEP}`, a torchrun worker's first optimizer "
                                f"step) to {self.events_path}, so a relaunch is not known to "
                                f"get further; the launcher exited with code {code}; "
                                f"{facts.describe()} (its output is above)")
             if attempt >= self.max_restarts:
                 return Outcome(code, attempt, f"gave up after {attempt} restarts")
             delay, streak = self._delay(evs, streak)
-            preempted = any(e["event"] == "preempted" for e in evs)
+            preempted = any(e["event"] == ev.PREEMPTED for e in evs)
             logger.warning("launcher exited with %d%s; restart %d/%d in %gs%s", code,
                            " after preemption" if preempted else "", attempt + 1,
-                           self.max_restarts, delay, "" if evidence == "start" else
-                           f" (no rank wrote `start`; {FIRST_STEP} events say ranks trained: "
+                           self.max_restarts, delay, "" if evidence == ev.START else
+                           f" (no rank wrote `start`; {ev.FIRST_STEP} events say ranks trained: "
                            "the script resumes only if it keeps its own snapshot)")
-            self.events.emit("restart", attempt=attempt + 1, delay=delay, exit_code=code,
+            self.events.emit(ev.RESTART, attempt=attempt + 1, delay=delay, exit_code=code,
                              preempted=preempted, evidence=evidence)
             self._sleep(delay)
             if self._stopping:

@@ -28,10 +28,9 @@ import signal
 import sys
 from typing import Any
 
+from hvd_resilient import event_names as ev
 from hvd_resilient.launch.torchrun_round_store import apply_round_store, round_of
 
-FIRST_STEP = "first_step"
-"""Event: this worker process took its first optimizer step (`restart`, `round` fields)."""
 _TERMINATION = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # torchrun's own default list
 
 
@@ -73,7 +72,7 @@ def watch_first_step(env: os._Environ[str] | dict[str, str]) -> None:
         try:
             rank, size = int(os.environ.get("RANK", "-1")), int(os.environ.get("WORLD_SIZE", "0"))
             EventLog(os.path.join(run_dir, "events.jsonl"), rank=rank, size=size).emit(
-                FIRST_STEP, restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                ev.FIRST_STEP, restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
                 round=round_of(os.environ), pid=os.getpid())
         except OSError as e:  # evidence, not training: never fail the step for it
             print(f"hvd-resilient: could not record the first step: {e}", file=sys.stderr)

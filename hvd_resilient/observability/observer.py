@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from hvd_resilient import event_names as ev
 from hvd_resilient.config import ObservabilityOptions
 from hvd_resilient.errors import HUNG_EXIT_CODE, exit_now
 from hvd_resilient.observability.stragglers import (
@@ -126,7 +127,7 @@ class Observer:
         verdict = self.detector.judge(list(gathered))
         self.live.timings, self.live.verdict = list(gathered), verdict
         if rank == 0:  # one line per window: what the rule saw, for the report and for tuning
-            self.emit("step_times", window_steps=self.rule.window_steps,
+            self.emit(ev.STEP_TIMES, window_steps=self.rule.window_steps,
                       judged=verdict.evaluated, steps=[t.steps for t in gathered],
                       compute_seconds=[round(t.compute_s, 6) for t in gathered],
                       wait_seconds=[round(t.wait_s, 6) for t in gathered],
@@ -147,12 +148,12 @@ class Observer:
                     self.rule.window_steps, "; it is evicted" if self.evict else "")
             if t.key != mine.key:
                 continue
-            self.emit("straggler", host=t.host, pid=t.pid, ratio=round(ratio, 3),
+            self.emit(ev.STRAGGLER, host=t.host, pid=t.pid, ratio=round(ratio, 3),
                       compute_seconds=round(t.compute_s, 6), others_seconds=round(others, 6),
                       wait_seconds=round(t.wait_s, 6), windows=self.rule.windows,
                       window_steps=self.rule.window_steps, threshold=self.rule.ratio)
             if self.evict:
-                self.emit("straggler_evicted", host=t.host, pid=t.pid, ratio=round(ratio, 3),
+                self.emit(ev.STRAGGLER_EVICTED, host=t.host, pid=t.pid, ratio=round(ratio, 3),
                           exit_code=HUNG_EXIT_CODE)
                 logger.error("rank %d is a persistent straggler (%.2fx the others' compute) and "
                           "straggler eviction is on: ending this process so that the job "
@@ -160,7 +161,7 @@ class Observer:
                 self._on_evict()
         for t in verdict.cleared:
             if t.key == mine.key:
-                self.emit("straggler_cleared", host=t.host, pid=t.pid,
+                self.emit(ev.STRAGGLER_CLEARED, host=t.host, pid=t.pid,
                           ratio=round(verdict.ratios.get(t.rank, 0.0), 3))
             if rank == 0:
                 logger.info("straggler: rank %d on %s keeps pace again (%.2fx)", t.rank, t.host,

@@ -62,6 +62,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from hvd_resilient import event_names as ev
 from hvd_resilient.report import data, jobs
 from hvd_resilient.report.checkpoints import (
     Summary,
@@ -191,9 +192,9 @@ def lost_intervals(launches: list[Launch], restarts: list[Restart]) -> list[Inte
             end = ep.resumed_ts if ep.recovered else launch.end_ts
             out.append((ep.detected_ts, end or launch.end_ts, "recovery"))
         for e in launch.events:
-            if e["event"] == "commit":
+            if e["event"] == ev.COMMIT:
                 out.append((e["ts"] - num(e, "seconds"), e["ts"], "commit"))
-            elif e["event"] == "checkpoint_saved":
+            elif e["event"] == ev.CHECKPOINT_SAVED:
                 out.append((*_stall_window(e), "checkpoint_stall"))
     for r in restarts:
         out.append((r.anchor_ts, r.old_end_ts, "rollback"))
@@ -299,7 +300,7 @@ def throughput(launches: list[Launch], batch_size: int | None,
     and the next commit) that no recovery interrupted;
     rank 0's `progress` events (samples_per_s) instead, when the log has them."""
     progress = [e for lch in launches for e in lch.events
-                if e["event"] == "progress" and is_num(e.get("samples_per_s"))]
+                if e["event"] == ev.PROGRESS and is_num(e.get("samples_per_s"))]
     if len(progress) >= 2:
         out: list[list[Any]] = []
         for a, b in zip(progress, progress[1:], strict=False):
@@ -342,7 +343,7 @@ def memory_peaks(events: list[Event]) -> dict[str, int]:
     """Highest `rss_bytes` and any `cuda*` byte counts seen in memory/progress events."""
     peaks: dict[str, int] = {}
     for e in events:
-        if e["event"] not in ("memory", "progress"):
+        if e["event"] not in (ev.MEMORY, ev.PROGRESS):
             continue
         for k, v in e.items():
             if (k == "rss_bytes" or k.startswith("cuda")) and isinstance(v, int):
@@ -385,7 +386,7 @@ def _list_or_empty(e: Event, key: str) -> list[Any]:
 
 def step_times_of(events: list[Event], t0: float) -> dict[str, Any] | None:
     """How close the run came to a straggler report, and what a step cost, per window."""
-    windows = [e for e in events if e["event"] == "step_times" and e.get("rank") == 0]
+    windows = [e for e in events if e["event"] == ev.STEP_TIMES and e.get("rank") == 0]
     if not windows:
         return None
     best: tuple[float, int, float] | None = None
@@ -447,7 +448,7 @@ def world_size_series(launches: list[Launch], t0: float) -> list[list[float]]:
 
 def usual_gap(events: list[Event]) -> float | None:
     """Median seconds between consecutive rank-0 commits: how often a healthy run speaks."""
-    ts = [e["ts"] for e in events if e["event"] == "commit" and e.get("rank") == 0]
+    ts = [e["ts"] for e in events if e["event"] == ev.COMMIT and e.get("rank") == 0]
     gaps = [b - a for a, b in zip(ts, ts[1:], strict=False) if b > a]
     return statistics.median(gaps) if gaps else None
 
@@ -479,7 +480,7 @@ def analyze(raw: Iterable[Event], now: float | None = None,
     episodes = [ep for lch in launches for ep in lch.episodes]
     status = {"done": "finished", "preempted": "preempted", "fatal": "failed"}.get(
         last.end, "unfinished")
-    fatal = next((e for e in reversed(last.events) if e["event"] == "fatal"), None)
+    fatal = next((e for e in reversed(last.events) if e["event"] == ev.FATAL), None)
     gap = usual_gap(events)
     silent = None
     if now is not None and status == "unfinished" and (
@@ -498,8 +499,8 @@ def analyze(raw: Iterable[Event], now: float | None = None,
         "resets": [[(ep.reset_ts or 0.0) - t0, ep.old_size, ep.new_size]
                    for ep in episodes if ep.recovered],
         "checkpoints": [[e["ts"] - t0, step_of(e), e["event"][len("checkpoint_"):]]
-                        for e in events if e["event"] in ("checkpoint_saved",
-                                                          "checkpoint_failed")],
+                        for e in events if e["event"] in (ev.CHECKPOINT_SAVED,
+                                                          ev.CHECKPOINT_FAILED)],
         "stragglers": [[s["at"], s["rank"], s["ratio"], s["evicted"]] for s in stragglers],
     }
     return Report(

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any, TypeGuard
 
+from hvd_resilient import event_names as ev
 from hvd_resilient.events import ckpt_step
 from hvd_resilient.report.timeline import Event
 
@@ -74,7 +75,7 @@ OLD_SKIP_REASONS = {"superseded": "checkpoint_superseded",
 
 def checkpoint_event(e: Event) -> str:
     """The event's name as this version writes it, in logs of any version."""
-    if e["event"] == "checkpoint_skipped":
+    if e["event"] == ev.CHECKPOINT_SKIPPED:
         return OLD_SKIP_REASONS.get(str(e.get("reason")), "checkpoint_skipped")
     return str(e["event"])
 
@@ -98,8 +99,8 @@ def checkpoint_stats(events: list[Event]) -> dict[str, Any]:
     (by an earlier rank 0) and skipped (corrupt at a resume, by reason) checkpoints."""
     kinds = Counter(checkpoint_event(e) for e in events
                     if e["event"].startswith("checkpoint_"))
-    saved = [e for e in events if e["event"] == "checkpoint_saved"]
-    failed = [e for e in events if e["event"] == "checkpoint_failed"]
+    saved = [e for e in events if e["event"] == ev.CHECKPOINT_SAVED]
+    failed = [e for e in events if e["event"] == ev.CHECKPOINT_FAILED]
     skipped = Counter(str(e.get("reason", "?")) for e in events
                       if checkpoint_event(e) == "checkpoint_skipped")
     upload = [e.get("upload_seconds", e.get("seconds")) for e in saved]
@@ -123,11 +124,11 @@ def _step_reached(events: list[Event], step: int) -> float | None:
     """When `step` was (last) reached: its commit, else the snapshot of its checkpoint."""
     best = None
     for e in events:
-        if e["step"] == step and e["event"] in ("commit", "sync", "resume"):
+        if e["step"] == step and e["event"] in (ev.COMMIT, ev.SYNC, ev.RESUME):
             best = e["ts"]
     if best is None:
         for e in events:
-            if e["event"] == "checkpoint_saved" and step_of(e) == step:
+            if e["event"] == ev.CHECKPOINT_SAVED and step_of(e) == step:
                 best = e["ts"] - num(e, "seconds")
     return best
 
@@ -181,7 +182,7 @@ def young_daly(events: list[Event], wall_s: float, failures: int, restart_failur
                step_rate: float | None, config: dict[str, Any] | None,
                mtbf_s: float | None = None) -> YoungDaly:
     """The suggested checkpoint interval next to the configured one (see the module doc)."""
-    saved = [e for e in events if e["event"] == "checkpoint_saved"]
+    saved = [e for e in events if e["event"] == ev.CHECKPOINT_SAVED]
     stalls = [float(e["stall_seconds"]) for e in saved
               if isinstance(e.get("stall_seconds"), (int, float))]
     secs = [float(e["seconds"]) for e in saved if isinstance(e.get("seconds"), (int, float))]

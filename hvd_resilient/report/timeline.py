@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hvd_resilient import event_names as ev
 from hvd_resilient.events import ckpt_step
 
 Event = dict[str, Any]
@@ -143,7 +144,7 @@ class Restart:
 
 
 def _is_progress(e: Event) -> bool:
-    return (e["event"] == "commit" and e["rank"] in (0, -1)) or e["event"] in ("sync", "resume")
+    return (e["event"] == ev.COMMIT and e["rank"] in (0, -1)) or e["event"] in (ev.SYNC, ev.RESUME)
 
 
 def _full_start_cluster(events: list[Event], i: int) -> bool:
@@ -151,7 +152,7 @@ def _full_start_cluster(events: list[Event], i: int) -> bool:
     t0, size = events[i]["ts"], events[i]["size"]
     ranks = {
         e["rank"] for e in events
-        if e["event"] == "start" and e["size"] == size and abs(e["ts"] - t0) <= START_CLUSTER_S
+        if e["event"] == ev.START and e["size"] == size and abs(e["ts"] - t0) <= START_CLUSTER_S
     }
     return size > 0 and len(ranks) >= size
 
@@ -173,7 +174,7 @@ def split_launches(events: list[Event]) -> list[list[Event]]:
                 continue  # a worker joining the running job
             # The launch begins at the first of the contiguous `start` lines around rank 0's.
             j = i
-            while (j > cuts[-1] and events[j - 1]["event"] == "start"
+            while (j > cuts[-1] and events[j - 1]["event"] == ev.START
                    and e["ts"] - events[j - 1]["ts"] <= START_CLUSTER_S):
                 j -= 1
             # the launcher's own lines before its workers' first start (rank -1: the warm
@@ -192,11 +193,11 @@ def _anchor(events: list[Event], before_ts: float, step: int | None, default: fl
     for e in events:
         if e["ts"] > before_ts:
             break
-        if step is not None and e["step"] == step and (_is_progress(e) or e["event"] == "start"):
+        if step is not None and e["step"] == step and (_is_progress(e) or e["event"] == ev.START):
             best = e["ts"]
     if best is None and step is not None:
         for e in events:
-            if (e["event"] == "checkpoint_saved" and ckpt_step(e) == step
+            if (e["event"] == ev.CHECKPOINT_SAVED and ckpt_step(e) == step
                     and e["ts"] <= before_ts):
                 best = e["ts"] - float(e.get("seconds") or 0.0)
     return default if best is None else best
@@ -266,19 +267,19 @@ def find_episodes(events: list[Event], train_ts: float) -> list[Episode]:
 
 
 def build_launch(index: int, events: list[Event]) -> Launch:
-    first_commit = next((e["ts"] for e in events if e["event"] == "commit"), math.inf)
+    first_commit = next((e["ts"] for e in events if e["event"] == ev.COMMIT), math.inf)
     boot = [e["ts"] for e in events
-            if e["event"] in ("start", "resume", "sync") and e["ts"] <= first_commit]
+            if e["event"] in (ev.START, ev.RESUME, ev.SYNC) and e["ts"] <= first_commit]
     train_ts = max(boot) if boot else events[0]["ts"]
     kinds = {e["event"] for e in events}
     end = next((k for k in ("done", "preempted", "fatal") if k in kinds), "unfinished")
-    resume = next((e for e in events if e["event"] == "resume"), None)
+    resume = next((e for e in events if e["event"] == ev.RESUME), None)
     resume_from = resume.get("from_step", resume["step"]) if resume else None
     steps = [e["step"] for e in events] + [
         e["from_step"] for e in events if isinstance(e.get("from_step"), int)
-        and e["event"] == "restore"
+        and e["event"] == ev.RESTORE
     ]
-    starts = [e for e in events if e["event"] == "start"]
+    starts = [e for e in events if e["event"] == ev.START]
     rank0 = next((e for e in starts if e["rank"] == 0), starts[0] if starts else events[0])
     config = rank0.get("config") if isinstance(rank0.get("config"), dict) else None
     launch = Launch(

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from hvd_resilient import event_names as ev
 from hvd_resilient.events import EventLog
 from hvd_resilient.state import rng
 from hvd_resilient.state.agreement import Agreement, Component, agree, digest_tree
@@ -182,11 +183,11 @@ class StateCore:
         found = self.last_agreement = agree(self.sync_components(), collectives, rider=rider,
                                             on_riders=on_riders)
         if self._rank() == 0:
-            self.events.emit("sync_check", sent=found.sent, differing_ranks=found.ranks,
+            self.events.emit(ev.SYNC_CHECK, sent=found.sent, differing_ranks=found.ranks,
                              repaired=found.repaired, seconds=found.seconds,
                              digest_seconds=found.digest_seconds)
         if found.repaired:
-            self.events.emit("sync_mismatch", components=found.repaired)
+            self.events.emit(ev.SYNC_MISMATCH, components=found.repaired)
             logger.warning("sync: %s differed after the first send and were sent again",
                         ", ".join(found.repaired))
         return found
@@ -318,10 +319,10 @@ class InMemoryState(StateCore):
         self.save()
         self.last_commit_step = self.step
         if self._rank() == 0:
-            self.events.emit("commit", seconds=round(time.perf_counter() - t0, 6))
+            self.events.emit(ev.COMMIT, seconds=round(time.perf_counter() - t0, 6))
 
     def _restored(self, before: int) -> None:
-        self.events.emit("restore", from_step=before, to_step=self.step,
+        self.events.emit(ev.RESTORE, from_step=before, to_step=self.step,
                          lost_steps=before - self.step)
         logger.warning("restored the last commit: step %d -> %d", before, self.step)
 

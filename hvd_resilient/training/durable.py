@@ -26,6 +26,7 @@ import threading
 import time
 from typing import Any, TypedDict
 
+from hvd_resilient import event_names as ev
 from hvd_resilient.backends.base import Backend
 from hvd_resilient.checkpoint.fence import fenced, raise_fence
 from hvd_resilient.checkpoint.host_buffers import pool
@@ -160,7 +161,7 @@ class DurableCheckpoints:
                     raise_fence(self.manager.store, self.config.checkpoint.lease_epoch)
             except (HvdResilientError, StoreError) as e:
                 error = " ".join(str(e).split())
-                self.events.emit("fatal", error=error, restartable=False)
+                self.events.emit(ev.FATAL, error=error, restartable=False)
         if self.backend.resume_on_every_rank:
             errors = [e for e in self.backend.allgather_object(error) if e]
             steps = set(self.backend.allgather_object(self.state.step))
@@ -293,7 +294,7 @@ class DurableCheckpoints:
             extra: dict[str, Any] = {"fetched_by": fetched} if fetched else {}
             if not self.state.sharded():  # a sharded digest would be a collective
                 extra["digests"] = self.state.state_digests()  # = the saved step's, checkable
-            self.events.emit("resume", from_step=self.state.step, epoch=self.state.epoch,
+            self.events.emit(ev.RESUME, from_step=self.state.step, epoch=self.state.epoch,
                              saved_world_size=world_size, layout=layout, source=source,
                              durable_step=published, seconds=round(seconds, 3), **extra)
         logger.info("resumed from %s step %d (epoch %d, saved at world size %d) in %.1fs",

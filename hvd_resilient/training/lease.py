@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 import time
 
+from hvd_resilient import event_names as ev
 from hvd_resilient.config import TrainConfig
 from hvd_resilient.errors import FATAL_EXIT_CODE, LaunchError, exit_now
 from hvd_resilient.events import EventLog
@@ -65,7 +66,7 @@ def stop_when_taken_over(cfg: TrainConfig, events: EventLog, renewal: Renewal | 
     def lost(what: LeaseRecord | str) -> None:  # the watch's record, or the renewal's why
         why = what if isinstance(what, str) else \
             f"the run was taken over by lease epoch {what.epoch} ({what.describe(time.time())})"
-        events.emit("lease_lost", error=why)
+        events.emit(ev.LEASE_LOST, error=why)
         print(f"hvd-resilient: stopping: {why}", file=sys.stderr, flush=True)
         exit_now(FATAL_EXIT_CODE)
 

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hvd_resilient import event_names as ev
 from hvd_resilient.backends.base import Backend
 from hvd_resilient.checkpoint.memory import SegmentDir, SegmentError, SegmentInfo, TierFull
 from hvd_resilient.checkpoint.memory.listing import url_digest
@@ -104,7 +105,7 @@ class MemoryCommits:
             return
         reason = _unusable(opts.dir)
         if reason:  # this host only: it keeps no copy, but takes part in every collective
-            self.events.emit("memory_tier", enabled=False, reason=reason)
+            self.events.emit(ev.MEMORY_TIER, enabled=False, reason=reason)
             logger.warning("memory tier off on this host: %s (its restarts read a peer's copy "
                            "or the durable checkpoint)", reason)
         else:
@@ -149,7 +150,7 @@ class MemoryCommits:
     def _off(self, reason: str) -> None:
         self.enabled = self.writer = False
         if self.backend.rank() == 0:
-            self.events.emit("memory_tier", enabled=False, reason=reason)
+            self.events.emit(ev.MEMORY_TIER, enabled=False, reason=reason)
             logger.warning("memory tier off: %s (a restart of every worker resumes from the "
                            "durable checkpoint)", reason)
 
@@ -179,7 +180,7 @@ class MemoryCommits:
         if not self._idle.wait(self.finish_wait_seconds):  # the previous segment (rarely)
             reason = (f"the previous segment was still being finished after "
                       f"{self.finish_wait_seconds:g}s; this commit is kept in the process only")
-            self.events.emit("memory_commit_failed", ckpt_step=step, error=reason)
+            self.events.emit(ev.MEMORY_COMMIT_FAILED, ckpt_step=step, error=reason)
             logger.warning("memory tier: %s", reason)
             return
         meta = {"epoch": self.state.epoch, "world_size": self.backend.size()}
@@ -190,12 +191,12 @@ class MemoryCommits:
         except TierFull as e:
             if not self._full:
                 self._full = True
-                self.events.emit("memory_tier_full", reason=str(e))
+                self.events.emit(ev.MEMORY_TIER_FULL, reason=str(e))
                 logger.warning("memory tier full: %s; this commit is kept in the process only",
                                e)
             return
         except OSError as e:
-            self.events.emit("memory_commit_failed", ckpt_step=step,
+            self.events.emit(ev.MEMORY_COMMIT_FAILED, ckpt_step=step,
                              error=f"{type(e).__name__}: {e}")
             return
         self._full = False
@@ -215,12 +216,12 @@ class MemoryCommits:
             t0 = time.perf_counter()
             try:
                 info = folder.finish(pending)
-                self.events.emit("memory_commit", ckpt_step=info.step, bytes=info.total_bytes,
+                self.events.emit(ev.MEMORY_COMMIT, ckpt_step=info.step, bytes=info.total_bytes,
                                  stall_seconds=round(pending.stall_seconds, 4),
                                  seconds=round(time.perf_counter() - t0, 4))
                 self._after_finish(info)
             except Exception as e:
-                self.events.emit("memory_commit_failed", ckpt_step=pending.step,
+                self.events.emit(ev.MEMORY_COMMIT_FAILED, ckpt_step=pending.step,
                                  error=f"{type(e).__name__}: {e}")
             finally:
                 self._idle.set()
@@ -271,7 +272,7 @@ class MemoryCommits:
             return None
 
     def _skipped(self, step: int, reason: str) -> None:
-        self.events.emit("checkpoint_skipped", tier="memory", ckpt_step=step, reason=reason)
+        self.events.emit(ev.CHECKPOINT_SKIPPED, tier="memory", ckpt_step=step, reason=reason)
         logger.warning("memory copy of step %d skipped: %s", step, reason)
 
     def _holdings(self, durable_step: int) -> dict[str, Any]:

@@ -32,6 +32,7 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+from hvd_resilient import event_names as ev
 from hvd_resilient.checkpoint.memory import SegmentDir, SegmentError
 from hvd_resilient.checkpoint.memory.listing import subdirs
 from hvd_resilient.checkpoint.split import join_state
@@ -173,7 +174,7 @@ class ShardedMemoryCommits(MemoryCommits):
         try:
             push(self._ring, self.run_key, self.own.owner, info.step, self.own.path)
         except SegmentError as e:
-            self.events.emit("memory_push_failed", ckpt_step=info.step, error=str(e))
+            self.events.emit(ev.MEMORY_PUSH_FAILED, ckpt_step=info.step, error=str(e))
 
     def _next_host(self) -> tuple[str, int] | None:
         """The next host's segment server in the ring of hosts (None: one host only). A

@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import default_collate
 
 from hvd_resilient import backends, log
+from hvd_resilient import event_names as ev
 from hvd_resilient.backends.threads import share_cores
 from hvd_resilient.checkpoint.host_buffers import pool as snapshot_pool
 from hvd_resilient.config import TrainConfig
@@ -140,7 +141,7 @@ class Trainer:
         durable = _durable_class(cfg.fsdp)(cfg, state, events, backend, faults=self._faults,
                                            memory_tier=commits)
         rank0 = backend.rank() == 0
-        events.emit("start", pid=os.getpid(), host=socket.gethostname(), backend=backend.name,
+        events.emit(ev.START, pid=os.getpid(), host=socket.gethostname(), backend=backend.name,
                     run_id=cfg.run_id, warm=os.environ.get(FORKED_ENV) == str(os.getpid()),
                     config=cfg.to_dict() if rank0 else None)
         # Resume (or refuse to start); a failure stops every rank at the first sync, never
@@ -182,7 +183,7 @@ class Trainer:
             self._loader.close()
             durable.close(timeout=cfg.checkpoint.grace_seconds)
             commits.close()
-        events.emit("done", epoch=state.epoch, loss=state.last_loss,
+        events.emit(ev.DONE, epoch=state.epoch, loss=state.last_loss,
                     params_sha256=state.params_sha256(),
                     digests=None if state.sharded() else state.state_digests())
         if rank0:
@@ -197,9 +198,9 @@ class Trainer:
         def after_reset() -> None:
             m = rss.sample()
             warning = watch.at_reset(m["rss_bytes"])
-            events.emit("memory", at="reset", **m)
+            events.emit(ev.MEMORY, at="reset", **m)
             if warning:
-                events.emit("memory_growth", warning=warning)
+                events.emit(ev.MEMORY_GROWTH, warning=warning)
                 logger.warning("rank %d: %s", backend.rank(), warning)
 
         state.after_reset(after_reset)  # never under torchrun: a restart is a new process
@@ -207,11 +208,11 @@ class Trainer:
     def _report_progress(self, state: Any, durable: DurableCheckpoints, rate: float) -> None:
         """Every rank records its memory; rank 0 records and shows progress."""
         m = rss.sample()
-        state.events.emit("memory", **m)
+        state.events.emit(ev.MEMORY, **m)
         if self.backend.rank() != 0:
             return
         since = durable.seconds_since_save()
-        state.events.emit("progress", epoch=state.epoch, loss=state.last_loss,
+        state.events.emit(ev.PROGRESS, epoch=state.epoch, loss=state.last_loss,
                           samples_per_s=round(rate, 3), **m)
         line = (f"epoch {state.epoch} step {state.step} loss {state.last_loss:.4f} | "
                 f"{rate:.1f} samples/s | world {self.backend.size()} | last checkpoint "
@@ -280,7 +281,7 @@ class Trainer:
         one when nothing is wrong."""
         record = getattr(state.sampler, "epoch_record", None)
         if record is not None and self.backend.rank() == 0:
-            state.events.emit("epoch_end", **record())
+            state.events.emit(ev.EPOCH_END, **record())
 
     def _micro_batches(self, sampler: Any, rank: int, size: int) -> list[LoadedBatch]:
         """The step's micro-batches, each advancing the sampler (so the loader plans the next
@@ -343,7 +344,7 @@ class Trainer:
             # Nobody leaves before the writers are done: a launcher that ends a job at its
             # first exit (mpirun) would kill rank 0 in the middle of the final checkpoint.
             self.backend.any_rank(False)
-        state.events.emit("preempted", seconds=round(time.time() - t0, 3),
+        state.events.emit(ev.PREEMPTED, seconds=round(time.time() - t0, 3),
                           exit_code=PREEMPTED_EXIT_CODE)
         if self.backend.rank() == 0:
             logger.warning("stopping on a termination signal after a final checkpoint at step %d",

@@ -8,8 +8,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from hvd_resilient.event_names import FIRST_STEP
 from hvd_resilient.launch.supervisor import Supervisor, trained_evidence
-from hvd_resilient.launch.torchrun_worker import FIRST_STEP
 from tests.support.jobs import events
 from tests.support.paths import ROOT
 

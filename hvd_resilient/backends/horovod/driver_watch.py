@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from hvd_resilient import event_names as ev
 from hvd_resilient.detect import heartbeat
 from hvd_resilient.detect.heartbeat import ENDED, this_view
 from hvd_resilient.detect.heartbeat import probe as reachable
@@ -172,7 +173,7 @@ def start(events: EventLog) -> bool:
     local = local_driver()
 
     def lost() -> None:
-        events.emit("driver_lost", driver=f"{address[0]}:{address[1]}",
+        events.emit(ev.DRIVER_LOST, driver=f"{address[0]}:{address[1]}",
                     found_by="process" if local is not None and ended(local) else "probes")
         logger.error("the horovodrun driver at %s:%d is gone; exiting (code %d) so that no "
                   "orphaned worker trains on beside a relaunch", *address, DRIVER_LOST_EXIT_CODE)

@@ -30,6 +30,7 @@ from typing import Any
 
 import horovod.torch as hvd
 
+from hvd_resilient import event_names as ev
 from hvd_resilient.backends.horovod import hang_hint
 from hvd_resilient.config import SCHEMA, RecoveryOptions
 from hvd_resilient.detect import progress
@@ -86,7 +87,7 @@ def _started_already(path: Path | None) -> bool:
     if path is None:
         return False
     pid = os.getpid()
-    return any(e["event"] == "start" and e.get("pid") == pid for e in read_recent_events(path))
+    return any(e["event"] == ev.START and e.get("pid") == pid for e in read_recent_events(path))
 
 
 def _rank() -> int:
@@ -125,7 +126,7 @@ class PortedLoop:
         events = self.state.events
         self.writes_events = not _started_already(events.path)
         if self.writes_events:
-            events.emit("start", pid=os.getpid(), host=socket.gethostname(), backend="horovod",
+            events.emit(ev.START, pid=os.getpid(), host=socket.gethostname(), backend="horovod",
                         run_id=os.environ.get(RUN_ID_ENV), config=None, loop="custom",
                         warm=os.environ.get(FORKED_ENV) == str(os.getpid()))
         for hook in _BEGIN_HOOKS.get():
@@ -143,7 +144,7 @@ class PortedLoop:
         the heap per reset, never per step."""
         cause = hang_hint.diagnose_live()
         if cause:
-            self.state.events.emit("stale_sampler", cause=cause)
+            self.state.events.emit(ev.STALE_SAMPLER, cause=cause)
             logger.warning("rank %d: %s", _rank(), cause)
 
     def _hook(self, optimizer: Any) -> None:
@@ -181,7 +182,7 @@ class PortedLoop:
         state = self.state
         if not self.writes_events:
             return
-        state.events.emit("done", epoch=state.epoch, loss=None,
+        state.events.emit(ev.DONE, epoch=state.epoch, loss=None,
                           params_sha256=state.params_sha256(),
                           digests=None if state.sharded() else state.state_digests(),
                           step_unit=state.step_unit or "commit")

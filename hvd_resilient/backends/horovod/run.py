@@ -22,6 +22,7 @@ import torch
 from horovod.common.elastic import notification_manager
 from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 
+from hvd_resilient import event_names as ev
 from hvd_resilient.backends import recovery
 from hvd_resilient.backends.horovod import (
     driver_watch,
@@ -191,7 +192,7 @@ class _ElasticWorld(_HorovodWorld):
         return None
 
     def changed(self, fault: recovery.Fault) -> None:
-        self.state.events.emit("hosts_changed", removed_only=fault.skip_sync)
+        self.state.events.emit(ev.HOSTS_CHANGED, removed_only=fault.skip_sync)
 
     def leaving(self) -> str | None:
         """The slot the host change removed: this worker leaves, exit code 0, before the

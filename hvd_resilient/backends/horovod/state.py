@@ -23,6 +23,7 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.elastic.state import StateHandler, TorchState
 
+from hvd_resilient import event_names as ev
 from hvd_resilient.backends.horovod.added_hosts import AddedHostsHold
 from hvd_resilient.backends.horovod.collectives import HorovodCollectives
 from hvd_resilient.detect import progress
@@ -155,7 +156,7 @@ class ElasticState(InMemoryState, TorchState):
         self.last_commit_step = self.step
         if self._rank() == 0:
             unit = {"step_unit": "commit"} if self.step_unit == "commit" else {}
-            self.events.emit("commit", seconds=round(time.perf_counter() - t0, 6), **unit)
+            self.events.emit(ev.COMMIT, seconds=round(time.perf_counter() - t0, 6), **unit)
 
     def check_host_updates(self) -> None:
         """Horovod's, except that rank 0 keeps an addition whose standbys are still warming
@@ -187,7 +188,7 @@ class ElasticState(InMemoryState, TorchState):
             updates = [update for _, update in self._host_messages.queue]
         holding = hold.holding(updates)
         if hold.held_s is not None:
-            self.events.emit("standby_wait", seconds=round(hold.held_s, 3))
+            self.events.emit(ev.STANDBY_WAIT, seconds=round(hold.held_s, 3))
             hold.held_s = None
         return holding
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hvd_resilient import event_names as ev
 from hvd_resilient.backends import determinism, recovery
 from hvd_resilient.backends.base import Backend
 from hvd_resilient.backends.inplace.busy import BusyReporter
@@ -248,7 +249,7 @@ class InPlaceBackend(Backend):
                 self._take_place(m)
         busy = BusyReporter(m.me).start()  # the agent's last call waits for a busy member
         if m.generation > 0 and m.announced_at is not None:  # a replacement, taken in now
-            state.events.emit("joined", member=m.me, generation=m.generation,
+            state.events.emit(ev.JOINED, member=m.me, generation=m.generation,
                               ready_at=round(m.announced_at, 6),
                               waited_s=round(time.time() - m.announced_at, 6))
         try:

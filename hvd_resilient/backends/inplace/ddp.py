@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data.distributed import DistributedSampler
 
+from hvd_resilient import event_names as ev
 from hvd_resilient.backends.inplace.backend import InPlaceBackend
 from hvd_resilient.backends.inplace.state import InPlaceState
 from hvd_resilient.backends.torchrun.collectives import TorchDistCollectives
@@ -96,7 +97,7 @@ class DDPSession:
         set_torchrun_env(rank, size)
         if state.bound_generation >= 0:
             state.first_step_pending = True
-            self.events.emit("ddp_rebound", generation=g, models=len(state.ddp_models),
+            self.events.emit(ev.DDP_REBOUND, generation=g, models=len(state.ddp_models),
                              samplers=len(state.samplers))
         state.bound_generation = g
 
@@ -144,7 +145,7 @@ class DDPState(InPlaceState):
         self.step += 1
         if self.first_step_pending:
             self.first_step_pending = False
-            self.events.emit("first_step", generation=self.bound_generation, pid=os.getpid())
+            self.events.emit(ev.FIRST_STEP, generation=self.bound_generation, pid=os.getpid())
 
     def commit(self) -> None:
         """The commit point (in this process's memory), every rank at the same place in its
@@ -178,6 +179,6 @@ def run_in_place(session: DDPSession, state: DDPState, fn: Callable[[], Any]) ->
     session.leave_solo()
     t0 = time.time()
     session.backend.run(attempt, state)
-    state.events.emit("done", seconds=round(time.time() - t0, 6),
+    state.events.emit(ev.DONE, seconds=round(time.time() - t0, 6),
                       params_sha256=state.params_sha256(), digests=state.state_digests())
     return result[0]

@@ -38,6 +38,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hvd_resilient import errors
+from hvd_resilient import event_names as ev
 from hvd_resilient.checkpoint.digest import new_hasher
 from hvd_resilient.checkpoint.errors import CheckpointError
 from hvd_resilient.checkpoint.events import EventFn, emit
@@ -193,7 +194,7 @@ class ShardedCheckpointer:
         errors = [err for _, err in gathered or [] if err] or ([error] if error else [])
         if errors:
             logger.warning("sharded checkpoint step %d failed: %s", step, errors[0])
-            emit(self.on_event, "checkpoint_failed", {"ckpt_step": step, "error": errors[0]})
+            emit(self.on_event, ev.CHECKPOINT_FAILED, {"ckpt_step": step, "error": errors[0]})
             return
         self._publish(step, epoch, gathered or [], run_id, meta, stall, t0)
 
@@ -222,10 +223,11 @@ class ShardedCheckpointer:
             info = self.manager.publish(step, epoch, self.world_size, entries, run_id=run_id,
                                         meta=meta, layout=SHARDED)
         except (StoreError, CheckpointError) as e:
-            emit(self.on_event, "checkpoint_failed", {"ckpt_step": step, "error": first_failure(e)})
+            emit(self.on_event, ev.CHECKPOINT_FAILED,
+                 {"ckpt_step": step, "error": first_failure(e)})
             return
         self.last_saved = info
-        emit(self.on_event, "checkpoint_saved", {
+        emit(self.on_event, ev.CHECKPOINT_SAVED, {
             "ckpt_step": step, "epoch": epoch, "seconds": round(time.perf_counter() - t0, 6),
             "stall_seconds": round(stall, 6), "bytes": info.total_bytes, "url": info.url,
             "layout": SHARDED, "shards": info.shard_files,
@@ -326,7 +328,7 @@ class ShardedCheckpointer:
             return
         logger.warning("checkpoint %s is corrupt (%s); falling back to an older one",
                        step_dir(step), reason)
-        emit(self.on_event, "checkpoint_skipped", {
+        emit(self.on_event, ev.CHECKPOINT_SKIPPED, {
             "ckpt_step": step, "reason": reason, "url": f"{self.manager.url}/{step_dir(step)}",
         })
 

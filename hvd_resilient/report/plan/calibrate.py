@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hvd_resilient import event_names as ev
 from hvd_resilient.errors import ConfigError
 from hvd_resilient.events import read_events
 from hvd_resilient.report.analysis import Report, analyze
@@ -78,7 +79,7 @@ def stack_of(launches: list[Launch], events: list[dict[str, Any]]) -> str:
             return "vanilla-horovod"
         if cfg.get("stack") == "ours":
             return "ours"
-    backend = next((e.get("backend") for e in events if e["event"] == "start"
+    backend = next((e.get("backend") for e in events if e["event"] == ev.START
                     and isinstance(e.get("backend"), str)), "horovod")
     return "ours-torchrun" if backend == "torchrun" else "ours"
 
@@ -107,7 +108,7 @@ def calibrate(path: str | Path, gloo_timeout_s: float = 30.0) -> Calibration:
     elif report.step_rate:
         m["step_s"] = Value(1.0 / report.step_rate, f"measured: {where}, rank-0 step rate "
                             f"{report.step_rate:.3g} steps/s")
-    commits = [float(e["seconds"]) for e in events if e["event"] == "commit"
+    commits = [float(e["seconds"]) for e in events if e["event"] == ev.COMMIT
                and e["rank"] in (0, -1) and isinstance(e.get("seconds"), (int, float))]
     if commits:
         m["commit_s"] = _value(commits, where, "commits (mean)", mean=True)
@@ -156,11 +157,11 @@ def calibrate(path: str | Path, gloo_timeout_s: float = 30.0) -> Calibration:
     elastic = sum(1 for f in report.failures if f.kind == "elastic")
     if prefix and elastic + unrecovered:
         cal.observed["in_process_recoveries_failed"] = f"{unrecovered} of {elastic + unrecovered}"
-    silent = [float(e["silent_seconds"]) for e in events if e["event"] == "peer_silent"
+    silent = [float(e["silent_seconds"]) for e in events if e["event"] == ev.PEER_SILENT
               and isinstance(e.get("silent_seconds"), (int, float))]
     if silent:
         m["ours_silent_detect_s"] = _value(silent, where, "silent peers (peer_silent)")
-    hangs = [float(e["idle_seconds"]) for e in events if e["event"] == "hang_detected"
+    hangs = [float(e["idle_seconds"]) for e in events if e["event"] == ev.HANG_DETECTED
              and isinstance(e.get("idle_seconds"), (int, float))]
     if hangs:
         m["ours_hang_detect_s"] = _value(hangs, where, "hangs (hang_detected idle time)")
@@ -170,8 +171,8 @@ def calibrate(path: str | Path, gloo_timeout_s: float = 30.0) -> Calibration:
         "stack": stack, "wall_s": report.wall_s, "world_sizes": report.world_sizes,
         "failures": len(report.failures), "joins": len(added), "leaves": len(removed),
         "restarts": len(restarts), "goodput": report.goodput, "status": report.status,
-        "preempted": sum(1 for e in events if e["event"] == "preempted"),
-        "hangs_detected": sum(1 for e in events if e["event"] == "hang_detected"),
+        "preempted": sum(1 for e in events if e["event"] == ev.PREEMPTED),
+        "hangs_detected": sum(1 for e in events if e["event"] == ev.HANG_DETECTED),
     })
     if not failures:
         cal.notes.append("no in-process failure in this log: recovery costs are defaults")
@@ -194,7 +195,7 @@ def _rejoin_delays(failures: list[Episode], added: list[Episode]) -> list[float]
 
 def _checkpoints(events: list[dict[str, Any]], where: str, m: dict[str, Value],
                  cal: Calibration) -> None:
-    saved = [e for e in events if e["event"] == "checkpoint_saved"]
+    saved = [e for e in events if e["event"] == ev.CHECKPOINT_SAVED]
     sizes = [int(e["bytes"]) for e in saved if isinstance(e.get("bytes"), int) and e["bytes"] > 0]
     if not sizes:
         return

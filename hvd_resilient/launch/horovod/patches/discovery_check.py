@@ -25,6 +25,7 @@ import subprocess
 from collections.abc import Callable
 from typing import Any
 
+from hvd_resilient import event_names as ev
 from hvd_resilient.backends.horovod import compat
 from hvd_resilient.launch.horovod.patches.context import PatchContext, masked_line
 
@@ -50,7 +51,7 @@ def checked_find(ctx: PatchContext) -> Callable[[Any], dict[str, int]]:
                 state["bad"] = str(e)
                 logger.warning("discovery script %s printed %s; keeping the last good host "
                                "list %s", script, e, hosts_arg(state["good"]))
-                ctx.emit("discovery_invalid", script=script, error=str(e),
+                ctx.emit(ev.DISCOVERY_INVALID, script=script, error=str(e),
                          kept=hosts_arg(state["good"]))
             return dict(state["good"])
         state["good"], state["bad"] = hosts, None

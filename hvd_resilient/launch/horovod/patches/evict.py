@@ -22,6 +22,7 @@ from typing import Any
 
 import psutil
 
+from hvd_resilient import event_names as ev
 from hvd_resilient.backends.horovod import compat, slots
 from hvd_resilient.backends.horovod.lost_slots import LOST_SCOPE
 from hvd_resilient.launch.horovod.patches.context import PatchContext
@@ -112,7 +113,7 @@ def watch(driver: Any, remote_kill: Callable[[str, int], None], emit: Callable[.
             how = end_slot(hostname, local_rank, int(fields[0]), remote_kill)
             logger.warning("slot %s[%s] reported silent by its peers: %s", hostname, local_rank,
                            f"ended ({how})" if how else "no process found (already gone)")
-            emit("slot_evicted", slot=key, pid=int(fields[0]), how=how or None)
+            emit(ev.SLOT_EVICTED, slot=key, pid=int(fields[0]), how=how or None)
         time.sleep(poll_s)
 
 

@@ -24,6 +24,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from hvd_resilient import event_names as ev
 from hvd_resilient.backends.horovod import compat
 from hvd_resilient.launch.horovod.patches.context import PatchContext, driver_method, slot_key
 
@@ -68,7 +69,7 @@ class OrphanSlots:
             names = [slot_key(s) for s in orphans]
             logger.warning("the new world assigns slot(s) %s, whose worker exited; starting "
                            "them again", ", ".join(names))
-            self.ctx.emit("orphan_slots_started", slots=names)
+            self.ctx.emit(ev.ORPHAN_SLOTS_STARTED, slots=names)
         return [*pending, *orphans]
 
 

@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from hvd_resilient import event_names as ev
 from hvd_resilient.backends.horovod import compat, driver_kv
 from hvd_resilient.launch.horovod import standby as standby_worker
 from hvd_resilient.launch.horovod.patches.context import PatchContext, driver_method, slot_key
@@ -84,7 +85,7 @@ class Standby:
             if new:
                 logger.info("hosts changed: started %d standby worker(s) (%s); telling rank 0 "
                             "now", len(new), ", ".join(slot_key(s) for s in new))
-                self.ctx.emit("standby_started", slots=[slot_key(s) for s in new])
+                self.ctx.emit(ev.STANDBY_STARTED, slots=[slot_key(s) for s in new])
         self._notify(driver, current_hosts, update_res)
 
     def start_standby(self, driver: Any, s: Any) -> None:
@@ -137,7 +138,7 @@ class Standby:
             waited = time.monotonic() - t0
             logger.info("released %d standby worker(s) after %.2f s of warm-up wait",
                         len(keys), waited)
-            self.ctx.emit("standby_released", slots=keys, waited_s=round(waited, 3),
+            self.ctx.emit(ev.STANDBY_RELEASED, slots=keys, waited_s=round(waited, 3),
                           replaced=sorted(replaced) or None)
 
     def start_or_release(self, driver: Any, pending_slots: list[Any]) -> None:
@@ -205,7 +206,7 @@ class Standby:
 
         if warm_pool.alive(os.environ.get(warm_pool.SOCKET_ENV, "")):
             # `hvd-resilient run` holds it across launches: a relaunched driver forks warm too
-            self.ctx.emit("warm_pool_ready", seconds=0.0, held_by="supervisor")
+            self.ctx.emit(ev.WARM_POOL_READY, seconds=0.0, held_by="supervisor")
             return None
         t0 = time.monotonic()
         pool = warm_pool_server.Started(cmd)
@@ -217,7 +218,7 @@ class Standby:
         os.environ[warm_pool.SOCKET_ENV] = pool.path  # the workers' environment is this one
         seconds = time.monotonic() - t0
         logger.info("warm pool ready after %.1f s: this machine's workers fork from it", seconds)
-        self.ctx.emit("warm_pool_ready", seconds=round(seconds, 3))
+        self.ctx.emit(ev.WARM_POOL_READY, seconds=round(seconds, 3))
         return pool
 
 

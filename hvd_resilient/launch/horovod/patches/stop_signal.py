@@ -23,6 +23,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from hvd_resilient import event_names as ev
 from hvd_resilient.backends.horovod import compat
 from hvd_resilient.launch.horovod.patches.context import PatchContext, driver_method
 from hvd_resilient.launch.horovod.patches.fatal_stop import stop_job
@@ -79,7 +80,7 @@ class StopOnSignal:
         name = self.ctx.stopped_by
         logger.warning("%s: stopping the job (every worker gets SIGTERM, then SIGKILL after "
                        "5 s; none is started again)", name)
-        self.ctx.emit("stop_signal", signal=name)
+        self.ctx.emit(ev.STOP_SIGNAL, signal=name)
         self._seen.wait()  # set just after the handlers are installed; never on a static run,
         if not self._driver.finished():  # whose workers the event alone ends
             stop_job(self._driver, f"stopped by {name}")
