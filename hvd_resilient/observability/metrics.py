@@ -46,6 +46,7 @@ from prometheus_client.core import (
     Metric,
 )
 
+from hvd_resilient import event_names as ev
 from hvd_resilient.events import ckpt_step
 
 logger = logging.getLogger(__name__)
@@ -110,17 +111,17 @@ class EventTally:
         kind, ts = e["event"], _num(e.get("ts"))
         self.events[kind] += 1
         rank0 = e.get("rank") == 0
-        if kind in ("failure_detected", "peer_silent", "hang_detected", "straggler_evicted"):
+        if kind in (ev.FAILURE_DETECTED, ev.PEER_SILENT, ev.HANG_DETECTED, ev.STRAGGLER_EVICTED):
             p = self._detecting(ts, "failure")
             p["cause"] = "failure"
-            if kind == "failure_detected":
+            if kind == ev.FAILURE_DETECTED:
                 p["classes"].add("hangup" if e.get("peer_hangup") else "collective")
             else:
                 p["classes"].add({"peer_silent": "silent", "hang_detected": "hang",
                                   "straggler_evicted": "straggler"}[kind])
-        elif kind == "hosts_changed":
+        elif kind == ev.HOSTS_CHANGED:
             self._detecting(ts, "hosts_changed")
-        elif kind == "reset" and rank0:
+        elif kind == ev.RESET and rank0:
             # One rank-0 reset per recovery: the new world's rank 0 writes it.
             pending, self._pending = self._pending, None
             cause = pending["cause"] if pending else "failure"
@@ -129,20 +130,20 @@ class EventTally:
                 self.failures[_failure_class(pending["classes"] if pending else set())] += 1
             detected = pending["ts"] if pending else ts - _num(e.get("seconds"))
             self._awaiting = (detected, ts)
-        elif kind == "sync" and rank0 and self._awaiting:
+        elif kind == ev.SYNC and rank0 and self._awaiting:
             self.recovery_s.append(max(0.0, ts - self._awaiting[0]))
             self._awaiting = None
-        elif kind == "restart":  # the supervisor relaunches the whole job
+        elif kind == ev.RESTART:  # the supervisor relaunches the whole job
             self.restarts += 1
             if self._pending and self._pending["cause"] == "failure":
                 self.failures[_failure_class(self._pending["classes"])] += 1
             self._pending = self._awaiting = None
-        if kind == "commit" and rank0:
+        if kind == ev.COMMIT and rank0:
             if self._awaiting:  # hosts were only removed: no sync, training went on at reset
                 self.recovery_s.append(max(0.0, self._awaiting[1] - self._awaiting[0]))
                 self._awaiting = None
             self.last["memory"] = (ts, int(_num(e.get("step"))))
-        elif kind == "checkpoint_saved":
+        elif kind == ev.CHECKPOINT_SAVED:
             if ts >= self.last.get("durable", (0.0, 0))[0]:
                 self.last["durable"] = (ts, int(_num(ckpt_step(e))))
 

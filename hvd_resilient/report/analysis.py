@@ -315,13 +315,13 @@ def throughput(launches: list[Launch], batch_size: int | None,
         committed = False
         for e in launch.events:
             kind = e["event"]
-            if kind in ("failure_detected", "restore", "hosts_changed", "reset"):
+            if kind in (ev.FAILURE_DETECTED, ev.RESTORE, ev.HOSTS_CHANGED, ev.RESET):
                 prev = None
-            elif kind in ("sync", "resume"):
+            elif kind in (ev.SYNC, ev.RESUME):
                 prev = e  # training (re)starts here: measure from it to the next commit
-            elif kind == "start" and not committed and prev is None:
+            elif kind == ev.START and not committed and prev is None:
                 prev = e  # no sync event (a static MPI world): training starts after `start`
-            elif kind == "commit":
+            elif kind == ev.COMMIT:
                 committed = True
                 if prev is not None and e["ts"] > prev["ts"] and e["step"] > prev["step"]:
                     rate = (e["step"] - prev["step"]) / (e["ts"] - prev["ts"])
@@ -361,7 +361,7 @@ def stragglers_of(events: list[Event], t0: float) -> list[dict[str, Any]]:
     for e in events:
         kind = e["event"]
         who = (e.get("host"), e.get("pid"))
-        if kind == "straggler":
+        if kind == ev.STRAGGLER:
             rec = {"at": e["ts"] - t0, "step": e["step"], "rank": e["rank"],
                    "host": e.get("host"), "pid": e.get("pid"),
                    "ratio": num(e, "ratio") if is_num(e.get("ratio")) else None,
@@ -372,9 +372,9 @@ def stragglers_of(events: list[Event], t0: float) -> list[dict[str, Any]]:
                    "evicted": False, "cleared_at": None}
             out.append(rec)
             latest[who] = rec
-        elif kind == "straggler_evicted" and who in latest:
+        elif kind == ev.STRAGGLER_EVICTED and who in latest:
             latest[who]["evicted"] = True
-        elif kind == "straggler_cleared" and who in latest:
+        elif kind == ev.STRAGGLER_CLEARED and who in latest:
             latest[who]["cleared_at"] = e["ts"] - t0
     return out
 

@@ -165,11 +165,11 @@ def split_launches(events: list[Event]) -> list[list[Event]]:
     recovering = False
     for i, e in enumerate(events):
         kind = e["event"]
-        if kind in ("failure_detected", "hosts_changed"):
+        if kind in (ev.FAILURE_DETECTED, ev.HOSTS_CHANGED):
             recovering = True
-        elif kind == "reset":
+        elif kind == ev.RESET:
             recovering = False
-        elif kind == "start" and e["rank"] == 0 and i > 0:
+        elif kind == ev.START and e["rank"] == 0 and i > 0:
             if recovering and not _full_start_cluster(events, i):
                 continue  # a worker joining the running job
             # The launch begins at the first of the contiguous `start` lines around rank 0's.
@@ -221,23 +221,23 @@ def find_episodes(events: list[Event], train_ts: float) -> list[Episode]:
     reached: dict[int, float] = {}  # step -> when the state was last at it
     for e in events:
         kind, ts = e["event"], e["ts"]
-        if _is_progress(e) or kind == "start":
+        if _is_progress(e) or kind == ev.START:
             reached[e["step"]] = ts
-            if kind != "start":
+            if kind != ev.START:
                 last = max(last, ts)
-        if kind in DETECTION or (kind == "reset" and ep is None):
+        if kind in DETECTION or (kind == ev.RESET and ep is None):
             if ep is None or ep.reset_ts is not None:
                 if ep is not None:
                     episodes.append(ep)
-                detected = ts - float(e.get("seconds") or 0.0) if kind == "reset" else ts
+                detected = ts - float(e.get("seconds") or 0.0) if kind == ev.RESET else ts
                 ep = Episode("hosts_changed", detected, last, detected)
             ep.ranks.add(e["rank"])
-            if kind in ("failure_detected", "restore"):
+            if kind in (ev.FAILURE_DETECTED, ev.RESTORE):
                 if ep.kind != "failure":
                     ep.kind = "failure"
                     ep.anchor_ts = ep.last_progress_ts
                 ep.detected_ts = min(ep.detected_ts, ts)
-            if kind == "restore":
+            if kind == ev.RESTORE:
                 to_step = e.get("to_step")
                 if isinstance(to_step, int):
                     ep.to_step = to_step
@@ -247,7 +247,7 @@ def find_episodes(events: list[Event], train_ts: float) -> list[Episode]:
                 ep.lost_steps = max(ep.lost_steps, int(e.get("lost_steps") or 0))
         if ep is None:
             continue
-        if kind == "reset":
+        if kind == ev.RESET:
             ep.reset_ts = max(ep.reset_ts or ts, ts)
             ep.resumed_ts = max(ep.resumed_ts or ts, ts)
             secs = e.get("seconds")
@@ -255,9 +255,9 @@ def find_episodes(events: list[Event], train_ts: float) -> list[Episode]:
                 ep.reset_seconds = max(ep.reset_seconds or 0.0, float(secs))
             ep.old_size = e.get("old_size", ep.old_size)
             ep.new_size = e.get("new_size", ep.new_size)
-        elif kind == "sync" and ep.reset_ts is not None:
+        elif kind == ev.SYNC and ep.reset_ts is not None:
             ep.resumed_ts = max(ep.resumed_ts or ts, ts)
-        elif kind == "commit" and ep.reset_ts is not None:
+        elif kind == ev.COMMIT and ep.reset_ts is not None:
             ep.first_commit_ts = ts
             episodes.append(ep)
             ep = None
