@@ -148,7 +148,7 @@ def _script(tail: EventTail, job: subprocess.Popen[bytes], hosts: Path, np: int)
     _say(f"added a host: {hosts.name} now says localhost:{np + 1}")
     if not _wait(tail, job, "the added host", lambda: tail.size() == np + 1, 180):
         return False
-    _say(f"world size {tail.size()}: training at it {_after(tail, t0, 'sync', np + 1)} after "
+    _say(f"world size {tail.size()}: training at it {_after(tail, t0, ev.SYNC, np + 1)} after "
          f"the file changed (its first commit at step {tail.step()})")
     _say_growth(tail, np + 1)
     grown = tail.step()
@@ -161,7 +161,7 @@ def _script(tail: EventTail, job: subprocess.Popen[bytes], hosts: Path, np: int)
     if not _wait(tail, job, "the removal", lambda: tail.size() == np, 180):
         return False
     shrunk = tail.step()
-    _say(f"world size {tail.size()}: training at it {_after(tail, t0, 'reset', np)} after the "
+    _say(f"world size {tail.size()}: training at it {_after(tail, t0, ev.RESET, np)} after the "
          f"file changed (its first commit at step {shrunk})")
     return _wait(tail, job, "some steps at the final size",
                  lambda: tail.step() >= shrunk + FINAL_STEPS, 180)

@@ -117,8 +117,8 @@ class EventTally:
             if kind == ev.FAILURE_DETECTED:
                 p["classes"].add("hangup" if e.get("peer_hangup") else "collective")
             else:
-                p["classes"].add({"peer_silent": "silent", "hang_detected": "hang",
-                                  "straggler_evicted": "straggler"}[kind])
+                p["classes"].add({ev.PEER_SILENT: "silent", ev.HANG_DETECTED: "hang",
+                                  ev.STRAGGLER_EVICTED: "straggler"}[kind])
         elif kind == ev.HOSTS_CHANGED:
             self._detecting(ts, "hosts_changed")
         elif kind == ev.RESET and rank0:
@@ -251,10 +251,10 @@ class RunCollector:
         t, live = self.tally, self.live
         yield CounterMetricFamily(PREFIX + "straggler_reports", "Straggler reports "
                                   "(`straggler` events) in the run.",
-                                  value=t.events.get("straggler", 0))
+                                  value=t.events.get(ev.STRAGGLER, 0))
         yield CounterMetricFamily(PREFIX + "straggler_evictions", "Stragglers evicted "
                                   "(`straggler_evicted` events).",
-                                  value=t.events.get("straggler_evicted", 0))
+                                  value=t.events.get(ev.STRAGGLER_EVICTED, 0))
         verdict = live.verdict
         flagged = set(verdict.flagged) if verdict else set()
         yield _gauge("stragglers", "Ranks reported as stragglers after the last window.",

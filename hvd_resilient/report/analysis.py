@@ -478,7 +478,7 @@ def analyze(raw: Iterable[Event], now: float | None = None,
     step_rate = _mean_rate(segments, 2)
     recovered = [f for f in failures if f.total_s is not None]
     episodes = [ep for lch in launches for ep in lch.episodes]
-    status = {"done": "finished", "preempted": "preempted", "fatal": "failed"}.get(
+    status = {ev.DONE: "finished", ev.PREEMPTED: "preempted", ev.FATAL: "failed"}.get(
         last.end, "unfinished")
     fatal = next((e for e in reversed(last.events) if e["event"] == ev.FATAL), None)
     gap = usual_gap(events)

@@ -69,18 +69,18 @@ def num(e: Event, key: str) -> float:
 
 #: Before `checkpoint_superseded` and `checkpoint_already_published` had names of their own,
 #: both were a `checkpoint_skipped` with this reason.
-OLD_SKIP_REASONS = {"superseded": "checkpoint_superseded",
-                    "published already": "checkpoint_already_published"}
+OLD_SKIP_REASONS = {"superseded": ev.CHECKPOINT_SUPERSEDED,
+                    "published already": ev.CHECKPOINT_ALREADY_PUBLISHED}
 
 
 def checkpoint_event(e: Event) -> str:
     """The event's name as this version writes it, in logs of any version."""
     if e["event"] == ev.CHECKPOINT_SKIPPED:
-        return OLD_SKIP_REASONS.get(str(e.get("reason")), "checkpoint_skipped")
+        return OLD_SKIP_REASONS.get(str(e.get("reason")), ev.CHECKPOINT_SKIPPED)
     return str(e["event"])
 
 
-PUBLISHED = ("checkpoint_saved", "checkpoint_already_published")
+PUBLISHED = (ev.CHECKPOINT_SAVED, ev.CHECKPOINT_ALREADY_PUBLISHED)
 """The events that leave a checkpoint in the store: saved now, or published already by an
 earlier rank 0 (the redo rule's second writer); either is a checkpoint a restart resumes."""
 
@@ -102,15 +102,15 @@ def checkpoint_stats(events: list[Event]) -> dict[str, Any]:
     saved = [e for e in events if e["event"] == ev.CHECKPOINT_SAVED]
     failed = [e for e in events if e["event"] == ev.CHECKPOINT_FAILED]
     skipped = Counter(str(e.get("reason", "?")) for e in events
-                      if checkpoint_event(e) == "checkpoint_skipped")
+                      if checkpoint_event(e) == ev.CHECKPOINT_SKIPPED)
     upload = [e.get("upload_seconds", e.get("seconds")) for e in saved]
     stalls = [e.get("stall_seconds") for e in saved]
     sizes = [int(e["bytes"]) for e in saved if isinstance(e.get("bytes"), int)]
     newest = max(published(events), key=step_of, default=None)
     return {
         "saved": len(saved), "failed": len(failed), "skipped": dict(skipped),
-        "superseded": kinds["checkpoint_superseded"],
-        "already_published": kinds["checkpoint_already_published"],
+        "superseded": kinds[ev.CHECKPOINT_SUPERSEDED],
+        "already_published": kinds[ev.CHECKPOINT_ALREADY_PUBLISHED],
         "failed_steps": [step_of(e) for e in failed],
         "newest_step": step_of(newest) if newest else None,
         "stall_s": asdict(Summary.of(v for v in stalls if isinstance(v, (int, float)))),

@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from hvd_resilient import event_names as ev
 from hvd_resilient.state.ids_digest import MASK, METHOD, from_hex, single_id
 
-EVENT = "epoch_end"
 MOST_LINES = 10
 """More epochs than this that all check out are shown as ranges."""
 
@@ -68,7 +68,7 @@ def epochs_of(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     seen: dict[tuple[Any, ...], dict[str, Any]] = {}
     for e in events:
-        if e.get("event") != EVENT:
+        if e.get("event") != ev.EPOCH_END:
             continue
         key = tuple(str(e.get(k)) for k in ("epoch", "samples", "ids_digest", "expected_samples",
                                              "expected_ids_digest", "digest"))

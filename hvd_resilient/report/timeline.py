@@ -30,7 +30,7 @@ from hvd_resilient.events import ckpt_step
 
 Event = dict[str, Any]
 
-DETECTION = ("failure_detected", "restore", "hosts_changed")
+DETECTION = (ev.FAILURE_DETECTED, ev.RESTORE, ev.HOSTS_CHANGED)
 """Events a surviving rank writes when it notices that the world changed."""
 
 START_CLUSTER_S = 30.0
@@ -272,7 +272,7 @@ def build_launch(index: int, events: list[Event]) -> Launch:
             if e["event"] in (ev.START, ev.RESUME, ev.SYNC) and e["ts"] <= first_commit]
     train_ts = max(boot) if boot else events[0]["ts"]
     kinds = {e["event"] for e in events}
-    end = next((k for k in ("done", "preempted", "fatal") if k in kinds), "unfinished")
+    end = next((k for k in (ev.DONE, ev.PREEMPTED, ev.FATAL) if k in kinds), "unfinished")
     resume = next((e for e in events if e["event"] == ev.RESUME), None)
     resume_from = resume.get("from_step", resume["step"]) if resume else None
     steps = [e["step"] for e in events] + [
@@ -295,7 +295,8 @@ def build_launch(index: int, events: list[Event]) -> Launch:
 
 
 def build_restart(old: Launch, new: Launch) -> Restart:
-    reason = {"done": "relaunch", "preempted": "preempted", "fatal": "fatal"}.get(old.end, "crash")
+    reason = {ev.DONE: "relaunch", ev.PREEMPTED: "preempted", ev.FATAL: "fatal"}.get(
+        old.end, "crash")
     from_step = new.resume_from_step or 0
     open_ep = old.episodes[-1] if old.episodes and not old.episodes[-1].recovered else None
     if from_step >= old.last_step:
