@@ -101,9 +101,10 @@ class EventLog:
         return rank, size
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
-        """Writes one event. A field named like a fixed key (`RESERVED`) is a programming error,
-        a ValueError: it would overwrite what every reader relies on (`step`: the training
-        step)."""
+        """Writes one event. ``event`` is a constant of `event_names` (the catalogue every
+        reader imports; a unit test holds the emitters to it). A field named like a fixed key
+        (`RESERVED`) is a programming error, a ValueError: it would overwrite what every reader
+        relies on (`step`: the training step)."""
         clash = [k for k in RESERVED if k in fields]
         if clash:
             raise ValueError(f"event {event!r}: field {clash[0]!r} is reserved "
