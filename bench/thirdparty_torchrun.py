@@ -42,7 +42,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -53,17 +52,17 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+# the run's processes found by a marker in their environment, as the supervisor benchmark does
+from supervisor_kill import MARK, _marked, _port  # noqa: E402
+
+from hvd_resilient.events import read_events  # noqa: E402
+
 VENV_BIN = Path(sys.executable).parent
 TUTORIAL = ROOT / "tests" / "thirdparty" / "pytorch_ddp_tutorial"
 PROBE = ROOT / "tests" / "support" / "probe"
-MARK = "HVD_RESILIENT_BENCH_MARK"
 NP = 3
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _prepare(dest: Path, patches: tuple[str, ...] = ("cpu.patch",)) -> Path:
@@ -86,33 +85,7 @@ def _marks(probe: Path) -> list[dict[str, Any]]:
 
 def _events(run: Path) -> list[dict[str, Any]]:
     """The in-place run's events.jsonl (a torn last line skipped)."""
-    try:
-        lines = (run / "run" / "events.jsonl").read_text().splitlines()
-    except OSError:
-        return []
-    out = []
-    for line in lines:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
-
-
-def _marked(mark: str) -> list[int]:
-    """Every process that carries this run's marker (forked workers included)."""
-    me, out = os.getpid(), []
-    needle = f"{MARK}={mark}".encode()
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == me:
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    out.append(int(name))
-        except OSError:
-            continue
-    return out
+    return list(read_events(run / "run" / "events.jsonl"))
 
 
 def _end(proc: subprocess.Popen[bytes], mark: str) -> None:
