@@ -169,8 +169,7 @@ def test_fsdp_4_to_2_ranks_from_the_memory_tier(tmp_path, jobs, memory_tier_dir)
         return [s for s, ranks in seen.items() if len(ranks) == 4]
 
     wait_for(lambda: len(complete()) >= 2, 240, "two complete commits in memory", job)
-    for p in job.processes():
-        p.send_signal(signal.SIGKILL)
+    job.kill_all()
     job.wait(30)
     newest = max(complete())
     assert CheckpointManager(url).latest() is None, "no durable checkpoint expected"
@@ -217,8 +216,7 @@ def test_fsdp_a_lost_hosts_shards_come_from_its_peers_copy(tmp_path, jobs):
     wait_for(lambda: complete_in_node0(), 240, "a step with all 4 shards in node 0's memory",
              first[0])
     for job in first:
-        for p in job.processes():
-            p.send_signal(signal.SIGKILL)
+        job.kill_all()
     for job in first:
         job.wait(30)
     shutil.rmtree(memory[1])

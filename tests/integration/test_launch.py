@@ -320,8 +320,7 @@ def test_whole_job_sigkilled_then_run_again_resumes_from_s3(backend, tmp_path, j
     saved = lambda: [e["ckpt_step"] for e in events(run / "events.jsonl")  # noqa: E731
                      if e["event"] == "checkpoint_saved"]
     wait_for(lambda: any(s >= 100 for s in saved()), 240, "a checkpoint at step >= 100", job)
-    for p in job.processes():
-        p.send_signal(signal.SIGKILL)
+    job.kill_all()
     job.wait(30)
     assert not [e for e in events(run / "events.jsonl") if e["event"] == "done"]
     last_saved = max(saved())

@@ -219,8 +219,7 @@ def test_torchrun_a_node_without_its_copy_fetches_the_peers(tmp_path, jobs):
     wait_for(lambda: any(s >= 60 for s in on_both()), 240, "a commit at step >= 60 on both",
              first[0])
     for job in first:
-        for p in job.processes():
-            p.send_signal(signal.SIGKILL)
+        job.kill_all()
     for job in first:
         job.wait(30)
     held = [sorted(p.name for p in Path(m).rglob("step-*.json")) for m in memory]

@@ -60,6 +60,17 @@ class Job:
     def processes(self) -> list[psutil.Process]:
         return marked_processes(self.marker)
 
+    def kill_all(self) -> None:
+        """SIGKILL to every process of the job at once (a whole job lost). One already gone
+        is skipped: the supervisor's job guard ends the rest of the job the moment the
+        supervisor dies (`launch/job_guard.py`), so a process listed a moment ago may have
+        been ended by it before its turn here."""
+        for p in self.processes():
+            try:
+                p.send_signal(signal.SIGKILL)
+            except (psutil.NoSuchProcess, psutil.ZombieProcess):
+                continue
+
 
 def launchers_of(supervisor_pid: int) -> list[psutil.Process]:
     """The children of `hvd-resilient run` that are its launch: not its job guard
