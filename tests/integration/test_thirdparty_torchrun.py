@@ -58,6 +58,7 @@ def assert_ranks_equal(probe: Path) -> None:
     assert len(set(digests.values())) == 1, digests
 
 
+@pytest.mark.extended  # the kill test below runs the same script to its end
 def test_tutorial_script_fault_free(tmp_path, jobs):
     job, probe, work = start(jobs, tmp_path, "multigpu_torchrun.py")
     assert job.wait(90) == 0, job.output()[-3000:]
@@ -77,7 +78,7 @@ def kill_rank1_after_a_snapshot(job: Job, probe: Path, work: Path) -> dict:
     return victim
 
 
-@pytest.mark.parametrize("fork", ["1", "0"])
+@pytest.mark.parametrize("fork", ["1", pytest.param("0", marks=pytest.mark.extended)])
 def test_tutorial_script_worker_killed_restarts_from_its_snapshot(tmp_path, jobs, fork):
     """fork "0": workers are new interpreters (`python -m hvd_resilient.launch.torchrun_worker
     SCRIPT`), the path taken when the agent cannot fork them."""
@@ -97,6 +98,7 @@ def test_tutorial_script_worker_killed_restarts_from_its_snapshot(tmp_path, jobs
                 if e["event"] == "restart"]
 
 
+@pytest.mark.extended  # the second variant: two agents on one machine
 def test_multinode_script_on_two_agents_a_worker_killed_on_one(tmp_path, jobs):
     """multinode.py (the same script keyed by the global rank) on two torchrun agents, two
     "nodes" of one machine with one c10d rendezvous (`--nnodes 2`, 2 workers each, one
