@@ -30,6 +30,7 @@ from hvd_resilient.backends.inplace.busy import BusyReporter
 from hvd_resilient.backends.inplace.grads import GradientAverager
 from hvd_resilient.backends.inplace.membership import Fenced, Membership
 from hvd_resilient.backends.inplace.state import GenerationChanged, InPlaceState
+from hvd_resilient.backends.torchrun.backend import TorchDistWorld
 from hvd_resilient.backends.torchrun.collectives import TorchDistCollectives
 from hvd_resilient.detect import Detectors, progress
 from hvd_resilient.detect.gloo_watch import GlooWatch
@@ -68,7 +69,7 @@ class _AgentEvict:
         self.trip(detail)
 
 
-class _Generations:
+class _Generations(TorchDistWorld):
     """The in-place world (`recovery.World`): a generation of torch.distributed groups that
     the agent publishes; a fault or a join moves every member to the next one."""
 
@@ -85,20 +86,8 @@ class _Generations:
             slot=str(m.me), coordinator=None, evict=_AgentEvict(m, watch.trip),
             quiet_for=watch.quiet_for))
 
-    def rank(self) -> int:
-        return self.backend.rank()
-
-    def size(self) -> int:
-        return self.backend.size()
-
     def generation(self) -> int | None:
         return self.m.generation
-
-    def machine(self) -> str:
-        return socket.gethostname()
-
-    def allgather(self, obj: Any) -> list[Any]:
-        return self.backend.allgather_object(obj)
 
     def sync(self, state: Any, rider: Any, arm: Callable[[list[Any]], None]) -> None:
         arm(self.allgather(rider))

@@ -133,23 +133,31 @@ class TorchDistBackend(Backend):
         _release_groups()
 
 
-class _TorchrunWorld(recovery.FormOnce):
-    """torchrun's world is formed once: its agent restarts every worker after a failure."""
+class TorchDistWorld:
+    """What every `recovery.World` over torch.distributed answers the same way (torchrun's,
+    and the in-place backend's generations): rank, size and the allgather are the backend's,
+    the machine is this host's name."""
 
-    def __init__(self, backend: TorchDistBackend, detectors: Detectors) -> None:
-        self.backend, self.detectors = backend, detectors
+    backend: Any  # a backend with rank(), size() and allgather_object()
 
     def rank(self) -> int:
-        return self.backend.rank()
+        return int(self.backend.rank())
 
     def size(self) -> int:
-        return self.backend.size()
+        return int(self.backend.size())
 
     def machine(self) -> str:
         return socket.gethostname()
 
     def allgather(self, obj: Any) -> list[Any]:
-        return self.backend.allgather_object(obj)
+        return list(self.backend.allgather_object(obj))
+
+
+class _TorchrunWorld(TorchDistWorld, recovery.FormOnce):
+    """torchrun's world is formed once: its agent restarts every worker after a failure."""
+
+    def __init__(self, backend: TorchDistBackend, detectors: Detectors) -> None:
+        self.backend, self.detectors = backend, detectors
 
     def sync(self, state: Any, rider: Any, arm: Callable[[list[Any]], None]) -> None:
         arm(self.allgather(rider))
