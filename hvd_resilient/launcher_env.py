@@ -30,6 +30,11 @@ FORKED_ENV = "HVD_RESILIENT_FORKED_PID"
 own pid there started warm (its `start` event says so); a child it starts inherits a pid that
 is not its own."""
 
+RUN_DIR_ENV = "HVD_RESILIENT_RUN_DIR"
+"""The run folder `hvd-resilient run` gives every process of its job (events, hangs, lease)."""
+RUN_ID_ENV = "HVD_RESILIENT_RUN_ID"
+"""The run's id, likewise: set only under `hvd-resilient run`."""
+
 
 def _first_number(env: Mapping[str, str] | None, names: tuple[str, ...]) -> int | None:
     env = os.environ if env is None else env

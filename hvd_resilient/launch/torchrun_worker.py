@@ -30,6 +30,7 @@ from typing import Any
 
 from hvd_resilient import event_names as ev
 from hvd_resilient.launch.torchrun_round_store import apply_round_store, round_of
+from hvd_resilient.launcher_env import RUN_DIR_ENV
 
 _TERMINATION = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # torchrun's own default list
 
@@ -55,7 +56,7 @@ def watch_first_step(env: os._Environ[str] | dict[str, str]) -> None:
     """Writes `first_step` to the run's event log at this process' first optimizer step
     (`torch.optim`'s global post-step hook: every optimizer, no change to the script). Nothing
     when the job is not supervised (no run folder)."""
-    run_dir = env.get("HVD_RESILIENT_RUN_DIR")
+    run_dir = env.get(RUN_DIR_ENV)
     if not run_dir:
         return
     from torch.optim.optimizer import register_optimizer_step_post_hook

@@ -42,13 +42,13 @@ from hvd_resilient.backends.horovod import ported as backend_ported
 from hvd_resilient.backends.horovod.run import HEARTBEAT_TIMEOUT_S
 from hvd_resilient.backends.horovod.run import run as backend_run
 from hvd_resilient.config import TrainConfig
+from hvd_resilient.launcher_env import RUN_ID_ENV
 from hvd_resilient.training.durable import DurableCheckpoints
 from hvd_resilient.training.memory_tier import MemoryCommits
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-RUN_ID_ENV = backend_ported.RUN_ID_ENV
 
 
 def run(func: Any = None, *, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,

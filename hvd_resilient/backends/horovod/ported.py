@@ -36,11 +36,10 @@ from hvd_resilient.config import SCHEMA, RecoveryOptions
 from hvd_resilient.detect import progress
 from hvd_resilient.detect.progress import ProgressWatchdog
 from hvd_resilient.events import read_recent_events
-from hvd_resilient.launcher_env import FORKED_ENV
+from hvd_resilient.launcher_env import FORKED_ENV, RUN_ID_ENV
 
 logger = logging.getLogger(__name__)
 
-RUN_ID_ENV = "HVD_RESILIENT_RUN_ID"
 FLOOR_ENV = "HVD_RESILIENT_RECOVERY_PROGRESS_FLOOR_SECONDS"
 PORTED_FLOOR_S = 120.0
 """The adaptive budget's floor for a loop of the user's own, unless the floor is set: the

@@ -28,6 +28,7 @@ from hvd_resilient.backends.horovod.added_hosts import AddedHostsHold
 from hvd_resilient.backends.horovod.collectives import HorovodCollectives
 from hvd_resilient.detect import progress
 from hvd_resilient.events import EventLog
+from hvd_resilient.launcher_env import RUN_DIR_ENV
 from hvd_resilient.state.commits import Commit, RngCommit, commit_for
 from hvd_resilient.state.core import InMemoryState, is_stateful
 
@@ -258,11 +259,6 @@ class ElasticState(InMemoryState, TorchState):
     def after_reset(self, fn: Callable[[], None]) -> None:
         """Horovod's reset callbacks (`on_reset()` is Horovod's own: it runs them)."""
         self.register_reset_callbacks([fn])
-
-
-RUN_DIR_ENV = "HVD_RESILIENT_RUN_DIR"
-"""The run folder `hvd-resilient run` gives its workers (`launch.horovod.options.RUN_DIR_ENV`;
-repeated here: backends sit below the launchers and never import them)."""
 
 
 def default_event_log(env: Any = None) -> EventLog:

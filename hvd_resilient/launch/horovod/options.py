@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from hvd_resilient.backends.horovod import driver_kv
 from hvd_resilient.errors import LaunchError
+from hvd_resilient.launcher_env import RUN_DIR_ENV
 
 SLOT_HOSTS_ENV = "HVD_RESILIENT_SLOT_HOSTS"
 """`0`: blacklist whole hosts on a failure, as plain horovodrun (`--no-slot-hosts` sets it)."""
@@ -26,7 +27,6 @@ INTERVAL_ENV = "HVD_RESILIENT_DISCOVERY_INTERVAL"
 WATCH_ENV = "HVD_RESILIENT_DISCOVERY_WATCH"
 """A file the discovery script reads: the script runs as soon as it changes
 (`--discovery-watch` sets it)."""
-RUN_DIR_ENV = "HVD_RESILIENT_RUN_DIR"
 """The run folder `hvd-resilient run` gives the job: the driver's events go to its log."""
 
 INTERVAL_RANGE_S = (0.05, 3600.0)
