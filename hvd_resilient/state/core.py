@@ -319,7 +319,12 @@ class InMemoryState(StateCore):
         self.save()
         self.last_commit_step = self.step
         if self._rank() == 0:
-            self.events.emit(ev.COMMIT, seconds=round(time.perf_counter() - t0, 6))
+            self.events.emit(ev.COMMIT, seconds=round(time.perf_counter() - t0, 6),
+                             **self._commit_fields())
+
+    def _commit_fields(self) -> dict[str, Any]:
+        """What a state adds to its `commit` event (a ported Horovod loop: its step unit)."""
+        return {}
 
     def _restored(self, before: int) -> None:
         self.events.emit(ev.RESTORE, from_step=before, to_step=self.step,

@@ -15,7 +15,6 @@ in Horovod's documentation, the sampler (ours, or Horovod's `ElasticSampler`) is
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -148,16 +147,10 @@ class ElasticState(InMemoryState, TorchState):
             self.step += 1
             self._auto_step = self.step
 
-    def _take_commit(self) -> None:
-        """`InMemoryState._take_commit`, with the step unit on the event when steps are
-        commits (the report then says what its step counts mean)."""
-        self._run_hooks(self._before_commit)
-        t0 = time.perf_counter()
-        self.save()
-        self.last_commit_step = self.step
-        if self._rank() == 0:
-            unit = {"step_unit": "commit"} if self.step_unit == "commit" else {}
-            self.events.emit(ev.COMMIT, seconds=round(time.perf_counter() - t0, 6), **unit)
+    def _commit_fields(self) -> dict[str, Any]:
+        """The step unit on the `commit` event when steps are commits (the report then says
+        what its step counts mean)."""
+        return {"step_unit": "commit"} if self.step_unit == "commit" else {}
 
     def check_host_updates(self) -> None:
         """Horovod's, except that rank 0 keeps an addition whose standbys are still warming
