@@ -12,7 +12,7 @@ import textwrap
 from tests.support.paths import ROOT
 
 SCRIPT = textwrap.dedent("""
-    import io, os, threading, time
+    import io, os, sys, threading, time
     from horovod.runner.common.util import safe_shell_exec
     from hvd_resilient.launch.horovod.patches import fast_middleman
     from hvd_resilient.launch.horovod.patches.context import PatchContext
@@ -27,10 +27,17 @@ SCRIPT = textwrap.dedent("""
         stop = threading.Event()
         threading.Timer(0.5, stop.set).start()
         t0 = time.monotonic()
-        safe_shell_exec.execute("sleep 60", events=[stop], stdout=io.StringIO(),
-                                stderr=io.StringIO())
+        # a worker that stops on SIGTERM with 75 (a final checkpoint), under a shell that
+        # takes a moment more to exit with its code: the moment Horovod's SIGTERM to the
+        # shell used to land in (the slot then said 143, or 0 when psutil reaped it)
+        worker = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: "
+                  "sys.exit(75)); print('up', flush=True); time.sleep(60)")
+        stopped = safe_shell_exec.execute(
+            f'{sys.executable} -c "{worker}"; code=$?; sleep 0.5; exit $code',
+            events=[stop], stdout=io.StringIO(), stderr=io.StringIO())
         print(code, out.getvalue().startswith("[5]<stdout>:"), repr(err.getvalue()),
-              middleman_parent != os.getpid(), round(time.monotonic() - t0) < 30, sep="|")
+              middleman_parent != os.getpid(), round(time.monotonic() - t0) < 30, stopped,
+              sep="|")
 """)
 
 
@@ -40,11 +47,10 @@ def test_the_middleman_keeps_horovod_s_contract_when_forked_from_the_server(tmp_
     r = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120,
                        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert r.returncode == 0, r.stderr[-2000:]
-    code, prefixed, err, not_ours, quick = r.stdout.strip().splitlines()[-1].split("|")
+    code, prefixed, err, not_ours, quick, stopped = r.stdout.strip().splitlines()[-1].split("|")
     assert (code, prefixed, err) == ("3", "True", repr("[5]<stderr>:oops\n")), r.stdout
     assert not_ours == "True", "the middleman was started by this process, not the server"
-    # Not asserted: the exit code of the command the event ended. Horovod's middleman reaps
-    # its shell twice, `executor_shell.wait()` and psutil's `wait()` in
-    # `terminate_executor_shell_and_children`; when psutil's wins, `Popen.wait` gets ECHILD and
-    # says 0 (seen 2 in 16 here, and under spawn alike): Horovod's race, not the fork's.
     assert quick == "True", "the exit event did not end the command"
+    # `patches/shell_exit.py`: the worker's code, not its shell's SIGTERM (143) nor the 0 of a
+    # shell reaped twice
+    assert stopped == "75", r.stdout

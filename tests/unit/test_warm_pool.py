@@ -210,3 +210,39 @@ def test_a_launch_closing_after_its_worker_was_reaped_is_not_an_error(tmp_path):
         pool._launch_gone(os.getpid() + 1_000_000)  # a pid the pool no longer holds
     finally:
         pool.listener.close()
+
+
+def test_a_worker_that_ends_before_the_pool_tells_its_pid_is_not_run_again(tmp_path,
+                                                                            monkeypatch):
+    """The forked worker holds the launch's connection and says its exit code itself; one
+    that ends at once can say it before the pool has sent its pid (seen in CI on two busy
+    cores). The launch exits with that code: it used to take it for a refusal and run the
+    worker a second time, cold."""
+    import threading
+
+    path = str(tmp_path / "pool.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+
+    def pool_whose_worker_was_quicker() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            header, fds = warm_pool.read_line(conn, fds=3)
+            for fd in fds:
+                os.close(fd)
+            assert header is not None and header["argv"] == ["python", "w.py"]
+            for message in ({"exit": 3}, {"pid": 12345}, {"exit": 3}):
+                warm_pool.send(conn, message)
+
+    server = threading.Thread(target=pool_whose_worker_was_quicker, daemon=True)
+    server.start()
+    monkeypatch.setenv(warm_pool.SOCKET_ENV, path)
+    monkeypatch.setattr(warm_pool, "default_socket", lambda: path)
+    try:
+        with pytest.raises(SystemExit) as ended:
+            warm_pool.run_in_pool(["python", "w.py"], mode="script")
+        assert ended.value.code == 3
+    finally:
+        server.join(10)
+        listener.close()

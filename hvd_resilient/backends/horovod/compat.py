@@ -49,6 +49,7 @@ DRIVER_TARGETS = (
     ("horovod.runner.http.http_server", "RendezvousHTTPServer.init"),
     ("horovod.runner.common.util.safe_shell_exec", "multiprocessing"),
     ("horovod.runner.common.util.safe_shell_exec", "_exec_middleman"),
+    ("horovod.runner.common.util.safe_shell_exec", "terminate_executor_shell_and_children"),
 )
 DRIVER_FIELDS = (
     # (module, class, instance attribute set in __init__)

@@ -147,6 +147,8 @@ def run_in_pool(cmd: list[str], mode: str = "standby") -> None:
                 reply, _ = read_line(sock, pending=pending)
             except OSError:  # a closed standard stream, a pool gone mid-way
                 continue
+            if reply is not None and isinstance(reply.get("exit"), int):
+                _exit_as(reply["exit"])  # the worker ran and ended before the pool told its pid
             if reply is None or "pid" not in reply:
                 continue
             _stand_in(sock, int(reply["pid"]), pending)
@@ -162,7 +164,11 @@ def _stand_in(sock: socket.socket, pid: int, pending: bytearray) -> None:
     for sig in FORWARDED:
         signal.signal(sig, forward)
     message, _ = read_line(sock, pending=pending)
-    code = message.get("exit") if message else None
+    _exit_as(message.get("exit") if message else None)
+
+
+def _exit_as(code: object) -> None:
+    """Ends this stand-in as its worker ended: its exit code, or the signal that killed it."""
     if not isinstance(code, int):
         print("hvd-resilient: the warm pool went away before the worker ended",
               file=sys.stderr, flush=True)
