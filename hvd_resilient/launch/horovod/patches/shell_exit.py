@@ -8,10 +8,10 @@ in that moment, and the slot reports 143 for a worker that stopped at its final 
 and exited 75 (seen in CI: `test_sigterm_to_run_stops_horovod_workers_at_a_final_checkpoint`,
 one rank 75, the other 143, so the driver could not say the job stopped cleanly).
 
-Here, when every child ended within the grace, the shell is given the rest of it to exit on
-its own; only a shell still there after that, or one whose children outlived the grace, is
-stopped and killed as Horovod does. The wait never reaps the shell (a pidfd is polled): the
-middleman's own `wait()` must still see its exit code.
+Here, when every child ended within the grace, the shell is given a second more to exit on
+its own (it needs milliseconds); only a shell still there after that, or one whose children
+outlived the grace, is stopped and killed as Horovod does. The wait never reaps the shell
+(a pidfd is polled): the middleman's own `wait()` must still see its exit code.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import contextlib
 import os
 import select
 import signal
-import time
 from typing import Any
 
 import psutil
@@ -28,8 +27,9 @@ import psutil
 GRACE_S = 5.0
 """Horovod's GRACEFUL_TERMINATION_TIME_S: SIGTERM to SIGKILL, for the children as for the
 shell; the workers' final checkpoint is sized to it (`patches/stop_signal.py`)."""
-SHELL_EXIT_MIN_S = 1.0
-"""What a shell whose children are gone gets at least, even when they took the whole grace."""
+SHELL_EXIT_S = 1.0
+"""What a shell whose children are gone gets to exit with their code. Bounded, and short: a
+shell that runs the worker with `exec` has no children, and is signalled only after it."""
 
 
 def exited_within(pid: int, timeout_s: float) -> bool:
@@ -54,12 +54,11 @@ def terminate_shell_and_children(pid: int, grace_s: float = GRACE_S) -> None:
         children = shell.children()
     except psutil.NoSuchProcess:
         return
-    deadline = time.monotonic() + grace_s
     for child in children:
         with contextlib.suppress(psutil.NoSuchProcess):
             child.terminate()
     _, alive = psutil.wait_procs(children, timeout=grace_s)
-    if not alive and exited_within(pid, max(deadline - time.monotonic(), SHELL_EXIT_MIN_S)):
+    if not alive and exited_within(pid, SHELL_EXIT_S):
         return
     with contextlib.suppress(psutil.NoSuchProcess):
         shell.send_signal(signal.SIGSTOP)  # it starts nothing more while its tree is killed
