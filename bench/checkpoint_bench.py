@@ -55,7 +55,7 @@ from hvd_resilient.checkpoint import (  # noqa: E402
     to_buffer,
 )
 from hvd_resilient.checkpoint.host_buffers import HostBufferPool, pool  # noqa: E402
-from hvd_resilient.checkpoint.manager import READ_AHEAD  # noqa: E402
+from hvd_resilient.checkpoint.reader import READ_AHEAD  # noqa: E402
 from hvd_resilient.checkpoint.split import (  # noqa: E402
     LEGACY_FILE,
     decode_file,

@@ -48,7 +48,7 @@ def run_once(mode: str, delay: float, work: Path, timeout: float) -> dict[str, A
            "--steps", "300", "--commit-every", "10"]
     env = dict(os.environ, PYTHONPATH=str(rec.ROOT),
                PATH=f"{rec.VENV_BIN}:{os.environ.get('PATH', '')}",
-               HVD_RESILIENT_RUN_DIR=str(run), HVD_RESILIENT_STORE_MEMORY_DIR=str(run / "shm"))
+               HVD_RESILIENT_RUN_DIR=str(run), HVD_RESILIENT_MEMORY_TIER_DIR=str(run / "shm"))
     events = run / "events.jsonl"
     with open(run / "console.log", "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,

@@ -121,7 +121,7 @@ def run_once(row: str, work: Path, timeout: float, recover_timeout: float,
                f"hvd_resilient-bench-{uuid.uuid4().hex}")
     env = dict(os.environ, PYTHONPATH=f"{ROOT}:{os.environ.get('PYTHONPATH', '')}",
                PATH=f"{VENV_BIN}:{os.environ.get('PATH', '')}",
-               HVD_RESILIENT_STORE_MEMORY_DIR=str(shm))
+               HVD_RESILIENT_MEMORY_TIER_DIR=str(shm))
     out: dict[str, Any] = {"row": row}
     with open(run / "console.log", "wb") as log:
         proc = subprocess.Popen(command(stack, run), env=env, stdout=log,

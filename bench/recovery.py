@@ -17,7 +17,7 @@ discovery file changed) to:
 - lost: steps trained before the fault and trained again after it.
 
 The memory tier rows (`torchrun_kill_memory`, `mpi_kill_memory`: every worker restarts) run
-ours with the tier on and again with `--no-store-memory-tier` ("durable only", the behaviour
+ours with the tier on and again with `--no-memory-tier-enabled` ("durable only", the behaviour
 before it) in the vanilla row's place (`--vanilla-repeats` runs, in turn with ours: the
 machine's load drifts over both alike). They report where each run resumed from (checked:
 memory, or durable / scratch with the tier off), the steps redone and the restart step by step
@@ -101,7 +101,7 @@ DIGITS_ARGS = ["--checkpoint-every", "20", "--epochs", "6"]
 # every 10 steps (the first step trained after the restart, with or without the tier).
 MEMORY_ARGS = ["--commit-every", "10", "--checkpoint-every", "1000", "--epochs", "8",
                "--log-every", "10"]
-MEMORY_OFF = "--no-store-memory-tier"
+MEMORY_OFF = "--no-memory-tier-enabled"
 
 
 def local_names() -> list[str]:
@@ -334,7 +334,7 @@ def run_once(sc: Scenario, stack: str, work: Path, timeout: float) -> dict[str, 
     shm = memory_tier_dir()  # removed below
     env = dict(os.environ, PYTHONPATH=f"{ROOT}:{os.environ.get('PYTHONPATH', '')}",
                PATH=f"{VENV_BIN}:{os.environ.get('PATH', '')}", HVD_RESILIENT_FAULT=sc.fault,
-               HVD_RESILIENT_STORE_MEMORY_DIR=str(shm),
+               HVD_RESILIENT_MEMORY_TIER_DIR=str(shm),
                **(sc.env if stack != "vanilla" else {}))
     if stack != "vanilla":  # as `hvd-resilient run` sets it: the driver's events in the log too
         env["HVD_RESILIENT_RUN_DIR"] = str(run)
@@ -422,7 +422,7 @@ def run_relaunched(sc: Scenario, stack: str, run: Path, timeout: float) -> dict[
     memory tier folders (one a node)."""
     jobs = JobRunner(run)
     shms = [memory_tier_dir() for _ in range(2 if sc.kind == "torchrun_nodes" else 1)]
-    env = [jobs.env(HVD_RESILIENT_FAULT=sc.fault, HVD_RESILIENT_STORE_MEMORY_DIR=str(shm),
+    env = [jobs.env(HVD_RESILIENT_FAULT=sc.fault, HVD_RESILIENT_MEMORY_TIER_DIR=str(shm),
                     **sc.env) for shm in shms]
     end = time.time() + timeout
 
@@ -689,7 +689,7 @@ def spread(s: dict[str, Any], m: str, unit: str = " s") -> str:
 
 def restart_table(results: dict[str, Any]) -> str:
     """The scenarios where every worker restarts, ours (memory tier) against durable only
-    (the same job with `--no-store-memory-tier`, as before the tier): medians, min-max in
+    (the same job with `--no-memory-tier-enabled`, as before the tier): medians, min-max in
     brackets; times from the kill (see measure_restart), relaunch to first step aside."""
     lines = [
         "| scenario | stack | runs (finished) | resumed from | steps redone | launcher knew "

@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         checkpoints.finish()  # the final checkpoint, published before anyone returns
 
     train(state)
-    checkpoints.close(timeout=cfg.grace_seconds)
+    checkpoints.close(timeout=cfg.checkpoint.grace_seconds)
     events.emit("done", loss=state.loss, params_sha256=state.params_sha256())
     if hvd.rank() == 0:
         print(f"final loss {state.loss:.3f} (uniform guess {math.log(len(vocab)):.3f}); "

@@ -6,9 +6,9 @@ the job before any worker trains, with one line that names the field and how to 
 
 Settings that belong to one concern live in a section (`checkpoint`, `store`, `memory_tier`,
 `recovery`, `observability`, `data`, `recipe`): `cfg.store.sse` is set by `--store-sse`,
-`HVD_RESILIENT_STORE_SSE` or `store: {sse: ...}` in the file. A setting that moved into a
-section is still read under its older name (`keep_last`, `store_memory_dir`). This module is
-the only place that reads them; everything below gets them passed in. How flags, files and
+`HVD_RESILIENT_STORE_SSE` or `store: {sse: ...}` in the file. Each setting has that one name
+(no release shipped with another, so none is kept for old spellings). This module is the only
+place that reads them; everything below gets them passed in. How flags, files and
 the environment become values is `hvd_resilient.settings`, shared with `hvd-resilient run`.
 """
 
@@ -24,14 +24,13 @@ from typing import Any
 
 from hvd_resilient.errors import SUPERVISED_ENV, ConfigError
 from hvd_resilient.masking import has_credentials, mask_url, scrub
-from hvd_resilient.settings import Schema, Setting, load_file, refuse_unknown, setting
+from hvd_resilient.settings import Schema, Setting
 
 ENV_PREFIX = "HVD_RESILIENT_"
 LR_SCALING = ("none", "linear")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
-__all__ = ["ENV_PREFIX", "TrainConfig", "Setting", "load_file", "refuse_credentials",
-           "refuse_unknown", "settings"]
+__all__ = ["ENV_PREFIX", "TrainConfig", "refuse_credentials", "settings"]
 
 
 def _where(name: str) -> str:
@@ -51,20 +50,21 @@ class CheckpointOptions:
     """{store_urls} for checkpoints (default <run_dir>/checkpoints)."""
     every: int = 0
     """Durable checkpoint every N steps (0: only at the end of each epoch and of training)."""
-    keep_last: int = setting(3, aliases=("keep_last",))
+    keep_last: int = 3
     """Durable checkpoints kept (the newest verified one is never removed)."""
-    keep_every: int = setting(0, aliases=("keep_every",))
+    keep_every: int = 0
     """Also keep every checkpoint whose step is a multiple of this (0: none)."""
-    resume: bool = setting(True, aliases=("resume",))
-    """Resume from the newest verified checkpoint of this run, if there is one. With --no-resume
-    a run refuses to start while checkpoints exist at checkpoint_url (they are never rewritten);
-    `hvd-resilient run --fresh-start` or `hvd-resilient ckpt supersede` sets them aside first."""
-    store_wait_seconds: float = setting(60.0, aliases=("store_wait_seconds",))
+    resume: bool = True
+    """Resume from the newest verified checkpoint of this run, if there is one. With
+    --no-checkpoint-resume a run refuses to start while checkpoints exist at checkpoint_url
+    (they are never rewritten); `hvd-resilient run --fresh-start` or `hvd-resilient ckpt
+    supersede` sets them aside first."""
+    store_wait_seconds: float = 60.0
     """At start, how long an unreachable checkpoint store is retried before the run stops
     (it never starts from scratch over checkpoints it could not read)."""
-    grace_seconds: float = setting(60.0, aliases=("grace_seconds",))
+    grace_seconds: float = 60.0
     """On SIGTERM/SIGUSR1, time allowed for the final synchronous checkpoint."""
-    snapshot_reuse: bool = setting(True, aliases=("store_snapshot_reuse",))
+    snapshot_reuse: bool = True
     """Reuse the snapshot buffers from one checkpoint to the next (false: give them back after
     every checkpoint, paying the first touch of fresh memory each time)."""
     lease_epoch: int = 0
@@ -104,18 +104,18 @@ class MemoryTierOptions:
     """The memory tier: every commit also in host memory outside the process
     (docs/memory-tier.md)."""
 
-    enabled: bool = setting(True, aliases=("store_memory_tier",))
+    enabled: bool = True
     """Keep every commit in host memory outside the process too (dir), so a restart of every
     worker resumes from the last commit instead of the last durable checkpoint. Off where dir
     cannot be written, with an event."""
-    dir: str = setting("/dev/shm/hvd_resilient", aliases=("store_memory_dir",))
+    dir: str = "/dev/shm/hvd_resilient"
     """Where the memory tier lives on each host: a RAM file system (or a fast local disk)."""
-    max_bytes: int = setting(0, aliases=("store_memory_max_bytes",))
+    max_bytes: int = 0
     """Cap on the memory tier of each host, all runs together (0: half of dir's file
     system); a commit that does not fit is kept in the process only, with an event."""
-    max_age_hours: float = setting(24.0, aliases=("store_memory_max_age_hours",))
+    max_age_hours: float = 24.0
     """Segments of runs idle this long are removed by the next job on the host."""
-    scope: str = setting("", aliases=("store_memory_scope",))
+    scope: str = ""
     """Separates one history of a run from another in the memory tier (`hvd-resilient run
     --fresh-start` sets it, so a fresh start never resumes from the old history's memory)."""
 
@@ -282,13 +282,6 @@ class RecipeOptions:
                  "0 (off) or between 0 and 1", self.ema_decay)
 
 
-ENV_ALIASES = {"HVD_RESILIENT_SNAPSHOT_REUSE": "checkpoint_snapshot_reuse",
-               "HVD_RESILIENT_PG_TIMEOUT": "recovery_pg_timeout_seconds",
-               "HVD_RESILIENT_LOG_LEVEL": "observability_log_level"}
-"""Environment names these settings had before they had a section; still read (the older
-flat names of a setting, `keep_last`, are read as flags, file keys and variables alike)."""
-
-
 @dataclass(kw_only=True)
 class TrainConfig:
     """What a training run does and where it keeps what must survive."""
@@ -392,8 +385,7 @@ class TrainConfig:
     # -- sources ------------------------------------------------------------------------
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        """Adds one flag per setting (and its older spellings); defaults are None so unset
-        flags do not override."""
+        """Adds one flag per setting; defaults are None so unset flags do not override."""
         titles = {"": "training config", **{
             name: f"{name} ({(section.__doc__ or '').split('.')[0].strip()})"
             for name, section in SECTIONS.items()}}
@@ -410,8 +402,7 @@ class TrainConfig:
         env: Mapping[str, str] | None = None,
         **overrides: Any,
     ) -> TrainConfig:
-        """Merges defaults < file < environment < flags < overrides, then validates. A
-        setting's older names count where its current one is not given."""
+        """Merges defaults < file < environment < flags < overrides, then validates."""
         env = os.environ if env is None else env
         file = file or (getattr(args, "config_file", None) if args else None) or \
             env.get(ENV_PREFIX + "CONFIG")
@@ -443,25 +434,8 @@ def doc_values() -> dict[str, str]:
     return {"store_urls": SUPPORTED_URLS}
 
 
-SCHEMA = Schema("config", TrainConfig, SECTIONS, env_prefix=ENV_PREFIX,
-                env_aliases=ENV_ALIASES, doc_values=doc_values)
+SCHEMA = Schema("config", TrainConfig, SECTIONS, env_prefix=ENV_PREFIX, doc_values=doc_values)
 """Every setting of TrainConfig: its flags, its environment variables, its file keys."""
-
-OLDER_ATTRIBUTES = {"checkpoint_url": "url", "checkpoint_every": "every",
-                    "keep_last": "keep_last", "keep_every": "keep_every", "resume": "resume",
-                    "store_wait_seconds": "store_wait_seconds", "grace_seconds": "grace_seconds"}
-"""`cfg.keep_last` and the other settings that moved into `checkpoint`, still readable as
-attributes of the config (`cfg.checkpoint.keep_last`)."""
-
-
-def _older(name: str) -> property:
-    return property(lambda self: getattr(self.checkpoint, name),
-                    doc=f"`checkpoint.{name}` (its older place)")
-
-
-for _old, _new in OLDER_ATTRIBUTES.items():
-    setattr(TrainConfig, _old, _older(_new))
-
 
 def settings() -> list[Setting]:
     """Every setting of TrainConfig and its sections, in declaration order (the flags, the

@@ -13,6 +13,6 @@ import pytest
 @pytest.fixture(autouse=True)
 def memory_tier_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     path = f"/dev/shm/hvd_resilient-test-{uuid.uuid4().hex[:12]}"
-    monkeypatch.setenv("HVD_RESILIENT_STORE_MEMORY_DIR", path)
+    monkeypatch.setenv("HVD_RESILIENT_MEMORY_TIER_DIR", path)
     yield path
     shutil.rmtree(path, ignore_errors=True)

@@ -10,8 +10,8 @@ A buffer is free once nothing but this pool refers to it: the writer's views, a 
 with ``torch.frombuffer`` and ``memoryview`` all hold a reference to it, so a buffer still
 being hashed or uploaded is never handed out again. The cost is memory: between checkpoints
 the pool keeps one set of buffers (the size of one snapshot) that a fresh allocation would
-have returned; ``HVD_RESILIENT_SNAPSHOT_REUSE=0`` turns reuse off where that memory is
-tighter than the stall (the `checkpoint.snapshot_reuse` setting).
+have returned; ``HVD_RESILIENT_CHECKPOINT_SNAPSHOT_REUSE=0`` turns reuse off where that memory
+is tighter than the stall (the `checkpoint.snapshot_reuse` setting).
 """
 
 from __future__ import annotations

@@ -23,12 +23,8 @@ from typing import Any
 
 from hvd_resilient.checkpoint import supersede as _supersede
 from hvd_resilient.checkpoint.digest import DEFAULT, hex_digest
-from hvd_resilient.checkpoint.errors import (
-    CheckpointCorruptError,
-    CheckpointError,
-    CheckpointExistsError,
-)
-from hvd_resilient.checkpoint.events import EventFn, emit
+from hvd_resilient.checkpoint.errors import CheckpointExistsError
+from hvd_resilient.checkpoint.events import EventFn
 from hvd_resilient.checkpoint.manifest import (
     MANIFEST_NAME,
     REPLICATED,
@@ -39,13 +35,7 @@ from hvd_resilient.checkpoint.manifest import (
     parse_step_dir,
     step_dir,
 )
-from hvd_resilient.checkpoint.reader import (
-    READ_AHEAD,
-    CheckpointReader,
-    Decode,
-    ScanResult,
-    file_problem,
-)
+from hvd_resilient.checkpoint.reader import CheckpointReader
 from hvd_resilient.checkpoint.stores import (
     Buffer,
     CheckpointStore,
@@ -53,24 +43,6 @@ from hvd_resilient.checkpoint.stores import (
     StoreExistsError,
     validate_key,
 )
-from hvd_resilient.checkpoint.supersede import default_supersede_tag, validate_tag
-
-# Names callers imported from here before the reader and supersede had modules of their own.
-__all__ = [
-    "READ_AHEAD",
-    "CheckpointCorruptError",
-    "CheckpointError",
-    "CheckpointExistsError",
-    "CheckpointManager",
-    "CheckpointReader",
-    "Decode",
-    "EventFn",
-    "ScanResult",
-    "default_supersede_tag",
-    "emit",
-    "file_problem",
-    "validate_tag",
-]
 
 logger = logging.getLogger(__name__)
 

@@ -317,12 +317,10 @@ def check_store(url: str) -> None:
 def fresh_start(url: str) -> str:
     """--fresh-start: the run's checkpoints set aside (never deleted), before the first launch
     only. Returns the line that says where they went."""
-    from hvd_resilient.checkpoint.manager import (
-        CheckpointError,
-        CheckpointManager,
-        default_supersede_tag,
-    )
+    from hvd_resilient.checkpoint.errors import CheckpointError
+    from hvd_resilient.checkpoint.manager import CheckpointManager
     from hvd_resilient.checkpoint.stores import StoreError
+    from hvd_resilient.checkpoint.supersede import default_supersede_tag
 
     shown = mask_url(url)
     try:

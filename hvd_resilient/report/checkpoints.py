@@ -67,26 +67,13 @@ def num(e: Event, key: str) -> float:
     return float(v) if is_num(v) else 0.0
 
 
-#: Before `checkpoint_superseded` and `checkpoint_already_published` had names of their own,
-#: both were a `checkpoint_skipped` with this reason.
-OLD_SKIP_REASONS = {"superseded": ev.CHECKPOINT_SUPERSEDED,
-                    "published already": ev.CHECKPOINT_ALREADY_PUBLISHED}
-
-
-def checkpoint_event(e: Event) -> str:
-    """The event's name as this version writes it, in logs of any version."""
-    if e["event"] == ev.CHECKPOINT_SKIPPED:
-        return OLD_SKIP_REASONS.get(str(e.get("reason")), ev.CHECKPOINT_SKIPPED)
-    return str(e["event"])
-
-
 PUBLISHED = (ev.CHECKPOINT_SAVED, ev.CHECKPOINT_ALREADY_PUBLISHED)
 """The events that leave a checkpoint in the store: saved now, or published already by an
 earlier rank 0 (the redo rule's second writer); either is a checkpoint a restart resumes."""
 
 
 def published(events: list[Event]) -> list[Event]:
-    return [e for e in events if checkpoint_event(e) in PUBLISHED]
+    return [e for e in events if e["event"] in PUBLISHED]
 
 
 def step_of(e: Event) -> int:
@@ -97,12 +84,11 @@ def step_of(e: Event) -> int:
 def checkpoint_stats(events: list[Event]) -> dict[str, Any]:
     """Saved, failed, superseded (dropped before upload for a newer one), published already
     (by an earlier rank 0) and skipped (corrupt at a resume, by reason) checkpoints."""
-    kinds = Counter(checkpoint_event(e) for e in events
-                    if e["event"].startswith("checkpoint_"))
+    kinds = Counter(e["event"] for e in events if e["event"].startswith("checkpoint_"))
     saved = [e for e in events if e["event"] == ev.CHECKPOINT_SAVED]
     failed = [e for e in events if e["event"] == ev.CHECKPOINT_FAILED]
     skipped = Counter(str(e.get("reason", "?")) for e in events
-                      if checkpoint_event(e) == ev.CHECKPOINT_SKIPPED)
+                      if e["event"] == ev.CHECKPOINT_SKIPPED)
     upload = [e.get("upload_seconds", e.get("seconds")) for e in saved]
     stalls = [e.get("stall_seconds") for e in saved]
     sizes = [int(e["bytes"]) for e in saved if isinstance(e.get("bytes"), int)]
@@ -201,8 +187,8 @@ def young_daly(events: list[Event], wall_s: float, failures: int, restart_failur
     young = young_interval(cost, mtbf) if cost and mtbf else None
     daly = daly_interval(cost, mtbf) if cost and mtbf else None
     config = config or {}
-    section = config.get("checkpoint")  # its place since it has a section; flat before
-    every = section.get("every") if isinstance(section, dict) else config.get("checkpoint_every")
+    section = config.get("checkpoint")  # the start event records the config by section
+    every = section.get("every") if isinstance(section, dict) else None
     every = int(every) if isinstance(every, int) else None
     return YoungDaly(
         checkpoint_cost_s=cost, cost_source=source, failures=n, mtbf_s=mtbf,

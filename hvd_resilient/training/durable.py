@@ -10,8 +10,8 @@ A step counts as saved only once its manifest is published and every rank has le
 (``state.ckpt_published``, exchanged at the next commit): an upload that dies with rank 0 is
 redone by the next rank 0 after the reset (:meth:`_after_sync`), and the run does not end
 before its final checkpoint is published (:meth:`finish`). A failed start (a checkpoint that
-does not fit, a store that stays unreachable, checkpoints that a --no-resume run would
-overwrite) is recorded in the state and stops every rank at the first sync.
+does not fit, a store that stays unreachable, checkpoints that a --no-checkpoint-resume run
+would overwrite) is recorded in the state and stops every rank at the first sync.
 
 The public methods own the order of the collectives, the bookkeeping, the bound on every wait,
 the events and the log lines; the sharded form (``durable_sharded``) fills in the hooks
@@ -147,9 +147,9 @@ class DurableCheckpoints:
     # -- start -----------------------------------------------------------------------------
     def start(self) -> None:
         """Every rank, before training: resumes (rank 0 under Horovod, every rank under
-        torchrun) or refuses to start over existing checkpoints with --no-resume. A failure is
-        never raised here on one rank alone: it is recorded in the state, and the first sync
-        stops every rank with it (under torchrun the ranks agree on it right here)."""
+        torchrun) or refuses to start over existing checkpoints with --no-checkpoint-resume. A
+        failure is never raised here on one rank alone: it is recorded in the state, and the
+        first sync stops every rank with it (under torchrun the ranks agree on it right here)."""
         error = ""
         if self.backend.rank() == 0 or self.backend.resume_on_every_rank:
             try:
@@ -178,7 +178,7 @@ class DurableCheckpoints:
         scan = self.manager.scan()
         return sorted([c.step for c in scan.checkpoints] + list(scan.invalid))
 
-    def _refuse_existing(self, why: str = "--no-resume was given") -> None:
+    def _refuse_existing(self, why: str = "--no-checkpoint-resume was given") -> None:
         """A run must not write a second history over the first one."""
         steps = self._published_steps()
         if steps:

@@ -143,8 +143,8 @@ class MemoryCommits:
         self.writer = True
         self.dir.sweep()
         self._sweep_others()
-        if not self.config.checkpoint.resume:  # --no-resume: a new history must not resume
-            self.dir.clear()  # an old one
+        if not self.config.checkpoint.resume:  # --no-checkpoint-resume: a new history
+            self.dir.clear()  # must not resume an old one
         return True
 
     def _off(self, reason: str) -> None:

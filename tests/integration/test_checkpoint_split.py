@@ -172,9 +172,8 @@ def test_the_pool_keeps_in_flight_snapshots_plus_one() -> None:
 def test_reuse_can_be_turned_off_from_the_config() -> None:
     from hvd_resilient.config import TrainConfig
 
-    for env in ({"HVD_RESILIENT_SNAPSHOT_REUSE": "0"},  # its name before it had a section
-                {"HVD_RESILIENT_STORE_SNAPSHOT_REUSE": "0"}):
-        assert TrainConfig.from_sources(env=env).checkpoint.snapshot_reuse is False, env
+    env = {"HVD_RESILIENT_CHECKPOINT_SNAPSHOT_REUSE": "0"}
+    assert TrainConfig.from_sources(env=env).checkpoint.snapshot_reuse is False
     assert TrainConfig.from_sources(env={}).checkpoint.snapshot_reuse is True
     assert pool().enabled  # nothing is read at import: the trainer applies the setting
 

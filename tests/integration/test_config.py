@@ -26,7 +26,7 @@ def test_defaults_fill_run_dir_and_checkpoint_url(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = parse(["--run-id", "r1"])
     assert cfg.run_dir == str(tmp_path / "runs" / "r1")
-    assert cfg.checkpoint_url == (tmp_path / "runs" / "r1" / "checkpoints").as_uri()
+    assert cfg.checkpoint.url == (tmp_path / "runs" / "r1" / "checkpoints").as_uri()
 
 
 def test_precedence_file_env_flags(tmp_path):

@@ -39,11 +39,11 @@ def launch(jobs, run: Path, nproc: int, url: str, max_steps: int, name: str,
     """The durable path by default (memory tier off); ``memory``: durable checkpoints every
     1000 steps and the memory tier on, so only memory can hold the commits."""
     tier = ["--checkpoint-every", "1000"] if memory else [
-        "--checkpoint-every", str(EVERY), "--no-store-memory-tier"]
+        "--checkpoint-every", str(EVERY), "--no-memory-tier-enabled"]
     cmd = [TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), "--max-restarts", "0",
            JOB, "--fsdp", "--run-id", "r", "--run-dir", str(run), "--checkpoint-url", url,
            *tier, "--commit-every", str(EVERY), "--batch-size", "8", "--epochs", "1000",
-           "--max-steps", str(max_steps), "--keep-last", "4", "--log-every", "1000",
+           "--max-steps", str(max_steps), "--checkpoint-keep-last", "4", "--log-every", "1000",
            "--dump-dir", str(run / "dumps")]
     return jobs.start(cmd, name=name)
 
@@ -200,7 +200,7 @@ def test_fsdp_a_lost_hosts_shards_come_from_its_peers_copy(tmp_path, jobs):
                  "--batch-size", "8", "--epochs", "1000", "--max-steps", str(max_steps),
                  "--log-every", "1000", "--dump-dir", str(run / "dumps")]
         cmd = torchrun_command(nproc, "2", f"127.0.0.1:{free_port()}", 0, "r", train)
-        return [jobs.start(cmd, env=jobs.env(HVD_RESILIENT_STORE_MEMORY_DIR=memory[i]),
+        return [jobs.start(cmd, env=jobs.env(HVD_RESILIENT_MEMORY_TIER_DIR=memory[i]),
                            name=f"{name}-node{i}") for i in range(2)]
 
     first = nodes(2, 100_000, "train")

@@ -35,7 +35,7 @@ def agent_job(jobs, run: Path, nproc: int, fault: str, max_steps: int, name: str
            *agent_args, "--", PYTHON, JOB, *RECIPE, "--samples", "--run-id", name,
            "--run-dir", str(run), "--batch-size", "8", "--commit-every", str(commit_every),
            "--epochs", "1000", "--max-steps", str(max_steps), "--checkpoint-every", "1000",
-           "--no-store-memory-tier", "--step-time", "0.02", *extra]
+           "--no-memory-tier-enabled", "--step-time", "0.02", *extra]
     return jobs.start(cmd, env=jobs.env(HVD_RESILIENT_FAULT=fault), name=name)
 
 
@@ -211,7 +211,7 @@ def test_survivors_inside_a_long_evaluation_when_a_peer_dies_are_waited_for_not_
            "--run-id", "busy", "--run-dir", str(run), "--eval-at", "10", "--eval-seconds", "6",
            "--eval-ranks", "0", "--recovery-generation-timeout-seconds", "3",
            "--max-steps", "24", "--epochs", "9", "--commit-every", "4", "--batch-size", "8",
-           "--no-store-memory-tier"]
+           "--no-memory-tier-enabled"]
     job = jobs.start(cmd, name="busy")
     log = run / "events.jsonl"
 

@@ -24,7 +24,7 @@ def test_the_sync_after_an_in_place_recovery_sends_nothing(tmp_path, jobs):
            PYTHON, str(SCRIPTS / "recipe_job.py"), "--recipe", "adamw-warmup-cosine",
            "--run-id", "inplace-restore-sync", "--run-dir", str(run), "--batch-size", "8",
            "--commit-every", "4", "--epochs", "1000", "--max-steps", "10",
-           "--checkpoint-every", "1000", "--no-store-memory-tier"]
+           "--checkpoint-every", "1000", "--no-memory-tier-enabled"]
     # SIGKILL to rank 1 before its step 7: the survivors restore the commit of step 4
     job = jobs.start(cmd, env=jobs.env(HVD_RESILIENT_FAULT="kill:rank=1:step=6"),
                      name="inplace-restore-sync")

@@ -233,7 +233,7 @@ def _preempted_mpi_job(tmp_path, jobs, epochs: int, backend: str = "mpi"
                       "--run-dir", str(run), *extra, "--", PYTHON, DIGITS,
                       "--epochs", str(epochs),
                       "--commit-every", "5", "--checkpoint-every", "50",
-                      "--grace-seconds", "30"], name="preempt")
+                      "--checkpoint-grace-seconds", "30"], name="preempt")
     wait_for(lambda: any(e["event"] == "checkpoint_saved" for e in events(run / "events.jsonl")),
              180, "a first checkpoint", job)
     return run, job

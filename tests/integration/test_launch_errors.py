@@ -102,7 +102,7 @@ def test_no_credential_reaches_any_output_or_file(tmp_path):
     # the example with credentials in the environment and an unreachable store: one line
     r = run(PYTHON, DIGITS, "--run-dir", str(runs / "s3"), "--max-steps", "2",
             "--checkpoint-url", "s3://bucket/x", timeout=240, **creds,
-            AWS_ENDPOINT_URL="http://127.0.0.1:9", HVD_RESILIENT_STORE_WAIT_SECONDS="1")
+            AWS_ENDPOINT_URL="http://127.0.0.1:9", HVD_RESILIENT_CHECKPOINT_STORE_WAIT_SECONDS="1")
     check("digits unreachable s3", r, None)
     assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].startswith(
         "hvd-resilient: error: "), r.stderr[-3000:]

@@ -204,7 +204,7 @@ def test_torchrun_a_node_without_its_copy_fetches_the_peers(tmp_path, jobs):
 
     def nodes(endpoint: str) -> list:
         cmd = torchrun_command(1, "2", endpoint, 0, "peer", train)
-        return [jobs.start(cmd, env=jobs.env(HVD_RESILIENT_STORE_MEMORY_DIR=memory[i]),
+        return [jobs.start(cmd, env=jobs.env(HVD_RESILIENT_MEMORY_TIER_DIR=memory[i]),
                            name=f"node{i}") for i in range(2)]
 
     first = nodes(f"127.0.0.1:{free_port()}")
@@ -255,7 +255,7 @@ def test_torchrun_a_node_that_cannot_hold_the_tier_still_takes_part(tmp_path, jo
     train = [PYTHON, DIGITS, "--run-id", "half", "--run-dir", str(run), "--checkpoint-url",
              f"file://{tmp_path}/ckpt", "--commit-every", "10", "--epochs", "2", "--seed", "5"]
     cmd = torchrun_command(1, "2", f"127.0.0.1:{free_port()}", 0, "half", train)
-    nodes = [jobs.start(cmd, env=jobs.env(HVD_RESILIENT_STORE_MEMORY_DIR=memory[i]),
+    nodes = [jobs.start(cmd, env=jobs.env(HVD_RESILIENT_MEMORY_TIER_DIR=memory[i]),
                         name=f"node{i}") for i in range(2)]
     for job in nodes:
         assert job.wait(240) == 0, job.output()[-3000:]

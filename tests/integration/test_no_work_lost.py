@@ -87,7 +87,7 @@ def test_a_checkpoint_that_does_not_fit_stops_every_rank_and_rewrites_nothing(
 def bare_env() -> dict[str, str]:
     """No settings from this shell, but the test's own memory tier folder (conftest)."""
     return {"PYTHONPATH": str(ROOT), "PATH": str(Path(PYTHON).parent) + ":/usr/bin:/bin",
-            "HVD_RESILIENT_STORE_MEMORY_DIR": os.environ["HVD_RESILIENT_STORE_MEMORY_DIR"]}
+            "HVD_RESILIENT_MEMORY_TIER_DIR": os.environ["HVD_RESILIENT_MEMORY_TIER_DIR"]}
 
 
 def test_no_resume_over_existing_checkpoints_refuses_to_start(tmp_path):
@@ -97,8 +97,8 @@ def test_no_resume_over_existing_checkpoints_refuses_to_start(tmp_path):
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert first.returncode == 0, first.stderr[-3000:]
     before = tree_digest(run / "checkpoints")
-    again = subprocess.run(cmd + ["--no-resume"], capture_output=True, text=True, timeout=180,
-                           env=env)
+    again = subprocess.run(cmd + ["--no-checkpoint-resume"], capture_output=True, text=True,
+                           timeout=180, env=env)
     assert again.returncode == FATAL_EXIT_CODE, again.stderr[-3000:]
     errors = [line for line in again.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and "checkpoints exist at" in errors[0], again.stderr
@@ -146,7 +146,8 @@ def test_store_down_at_relaunch_waits_within_a_bound_and_never_trains_from_scrat
     try:
         # Down for longer than the bound: the job stops with a fatal error, having trained nothing.
         n = len(events(run / "events.jsonl"))
-        job = jobs.start(horovod("--max-steps", "40", "--store-wait-seconds", "2"), name="down")
+        job = jobs.start(horovod("--max-steps", "40", "--checkpoint-store-wait-seconds", "2"),
+                         name="down")
         assert job.wait(240) not in (0, None), job.output()[-3000:]
         evs = events(run / "events.jsonl")[n:]
         assert [e for e in evs if e["event"] == "fatal" and "unreachable" in e["error"]], evs
@@ -154,7 +155,7 @@ def test_store_down_at_relaunch_waits_within_a_bound_and_never_trains_from_scrat
 
         # Down briefly: the relaunch waits, then resumes from step 20 once the store is back.
         n = len(events(run / "events.jsonl"))
-        job = jobs.start(horovod("--max-steps", "40", "--store-wait-seconds", "120"),
+        job = jobs.start(horovod("--max-steps", "40", "--checkpoint-store-wait-seconds", "120"),
                          name="brief")
         wait_for(lambda: "unreachable at start" in job.output(), 120, "the wait for the store",
                  job)
@@ -181,7 +182,7 @@ def test_rank0_killed_between_files_and_manifest_the_checkpoint_is_redone(
     job = jobs.start(cmd + [PYTHON, DIGITS, "--run-dir", str(run), "--checkpoint-url",
                             ckpt.as_uri(), "--epochs", "100", "--max-steps", "60",
                             "--checkpoint-every", "10", "--commit-every", "10",
-                            "--keep-last", "10"],
+                            "--checkpoint-keep-last", "10"],
                      env=jobs.env(HVD_RESILIENT_FAULT=f"kill:rank=0:step={kill_step}:at=upload"),
                      name="kill0")
     assert job.wait(360) == 0, job.output()[-3000:]

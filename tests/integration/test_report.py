@@ -19,7 +19,7 @@ from hvd_resilient.report.checkpoints import daly_interval, young_interval
 from hvd_resilient.report.timeline import normalize, split_launches
 from tests.support.paths import DATA
 
-CONFIG = {"run_id": "t", "commit_every": 10, "checkpoint_every": 50, "batch_size": 8}
+CONFIG = {"run_id": "t", "commit_every": 10, "checkpoint": {"every": 50}, "batch_size": 8}
 
 
 def ev(ts: float, event: str, rank: int = 0, size: int = 2, step: int = 0,
@@ -121,17 +121,14 @@ def test_clean_run() -> None:
 
 def checkpoint_run(old: bool) -> list[dict[str, Any]]:
     """`clean_run` with a checkpoint of each kind, as this version writes them or (`old`) as
-    versions before `ckpt_step` did: then `step` was the checkpoint's own, and a superseded or
-    published-already checkpoint was a `checkpoint_skipped` with that reason."""
+    versions before `ckpt_step` did: then `step` was the checkpoint's own."""
     def ckpt(ts: float, event: str, step: int, ckpt_step: int, **fields: Any) -> dict[str, Any]:
         if old:
             return ev(ts, event, step=ckpt_step, **fields)
         return ev(ts, event, step=step, ckpt_step=ckpt_step, **fields)
 
-    superseded = (ckpt(7.0, "checkpoint_skipped", 62, 60, reason="superseded", by_step=70) if old
-                  else ckpt(7.0, "checkpoint_superseded", 62, 60, by_step=70))
-    published = (ckpt(8.0, "checkpoint_skipped", 71, 70, reason="published already", url="u")
-                 if old else ckpt(8.0, "checkpoint_already_published", 71, 70, url="u"))
+    superseded = ckpt(7.0, "checkpoint_superseded", 62, 60, by_step=70)
+    published = ckpt(8.0, "checkpoint_already_published", 71, 70, url="u")
     evs = [e for e in clean_run() if e["event"] != "checkpoint_saved"] + [
         # the upload of step 50 ended 3 steps later: training went on meanwhile
         ckpt(6.0, "checkpoint_saved", 53, 50, seconds=0.5, stall_seconds=0.2,

@@ -21,7 +21,7 @@ def digits_cmd(run: Path, url: str | None = None) -> list[str]:
     """The durable path: the memory tier is off, so the restart reads the store."""
     cmd = [HOROVODRUN, "-np", "2", "--gloo", "--network-interface", "lo", PYTHON, DIGITS,
            "--run-id", "r", "--run-dir", str(run), "--epochs", "25", "--commit-every", "5",
-           "--checkpoint-every", "20", "--seed", "3", "--no-store-memory-tier"]
+           "--checkpoint-every", "20", "--seed", "3", "--no-memory-tier-enabled"]
     return cmd + (["--checkpoint-url", url] if url else [])
 
 

@@ -212,7 +212,7 @@ def test_a_frozen_worker_on_another_node_does_not_hold_the_restart(tmp_path, job
 
     started = [jobs.start(node(i), env=jobs.env(
         HVD_RESILIENT_FAULT="freeze:rank=1:step=70",
-        HVD_RESILIENT_STORE_MEMORY_DIR=str(tmp_path / f"shm{i}")), name=f"node{i}")
+        HVD_RESILIENT_MEMORY_TIER_DIR=str(tmp_path / f"shm{i}")), name=f"node{i}")
         for i in range(2)]
     for job in started:
         assert job.wait(300) == 0, job.output()[-3000:]

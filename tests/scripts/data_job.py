@@ -175,7 +175,7 @@ def main() -> int:
         durable = DurableCheckpoints(
             TrainConfig.from_sources(env={}, run_id="data", run_dir=a.run_dir,
                                      checkpoint_url=a.checkpoint_url,
-                                     checkpoint_every=a.checkpoint_every, keep_last=100),
+                                     checkpoint_every=a.checkpoint_every, checkpoint_keep_last=100),
             state, events, HorovodBackend())
         if hvd.rank() == 0:
             durable.resume()

@@ -90,7 +90,7 @@ def main() -> int:
         env = {"HVD_RESILIENT_RUN_ID": "chaos", **os.environ,
                "HVD_RESILIENT_RUN_DIR": a.run_dir, "HVD_RESILIENT_CHECKPOINT_URL": a.checkpoint_url}
         cfg = TrainConfig.from_sources(env=env, checkpoint_every=a.checkpoint_every,
-                                       keep_last=100)
+                                       checkpoint_keep_last=100)
         if a.memory_tier:  # every commit also in this host's memory, for a full restart
             commits = MemoryCommits(cfg, state, events, HorovodBackend())
         durable = DurableCheckpoints(cfg, state, events, HorovodBackend(), memory_tier=commits)

@@ -68,7 +68,7 @@ def main() -> int:
 
     def on_step(state: Any, _loss: float) -> None:
         # the checkpoint or commit of this step follows
-        if state.step % min(cfg.checkpoint_every, cfg.commit_every) == 0:
+        if state.step % min(cfg.checkpoint.every, cfg.commit_every) == 0:
             dump(state, "saved", args.dump_dir)
 
     torch.manual_seed(cfg.seed)

@@ -7,9 +7,7 @@ from __future__ import annotations
 import pytest
 
 from hvd_resilient.checkpoint import CheckpointManager, CheckpointReader, step_dir
-from hvd_resilient.checkpoint import manager as manager_module
 from hvd_resilient.checkpoint.reader import ScanResult
-from hvd_resilient.checkpoint.supersede import default_supersede_tag, validate_tag
 from hvd_resilient.training.fault_hooks import before_publish
 from hvd_resilient.training.faults import FaultPlan, InjectedFault
 from tests.support.checkpoints import Events, flip_byte
@@ -33,15 +31,6 @@ def test_a_reader_lists_verifies_and_loads_what_a_manager_saved(tmp_path) -> Non
     assert info.step == 10 and bytes(files["state.pt"]) == _files(10)["state.pt"]
     assert [f["ckpt_step"] for f in events.named("checkpoint_skipped")] == [20]
     assert not hasattr(reader, "save") and not hasattr(reader, "prune")
-
-
-def test_the_names_callers_imported_from_the_manager_still_import() -> None:
-    for name in ("CheckpointError", "CheckpointCorruptError", "CheckpointExistsError",
-                 "ScanResult", "READ_AHEAD", "default_supersede_tag", "validate_tag", "emit",
-                 "EventFn", "file_problem"):
-        assert hasattr(manager_module, name), name
-    assert manager_module.default_supersede_tag is default_supersede_tag
-    assert manager_module.validate_tag is validate_tag
 
 
 def test_supersede_moves_through_the_manager(tmp_path) -> None:

@@ -125,7 +125,7 @@ def test_no_checkpoints_anywhere_is_still_an_error(tmp_path, root) -> None:
 
 
 def test_none_for_this_location_and_default_root(url, memory_tier_dir) -> None:
-    """Without --memory-dir the tier is $HVD_RESILIENT_STORE_MEMORY_DIR (set per test by
+    """Without --memory-dir the tier is $HVD_RESILIENT_MEMORY_TIER_DIR (set per test by
     conftest), exactly where the training config puts it."""
     CheckpointManager(url).save(3, 0, 1, {"state.pt": b"x"})
     code, out, _ = run("list", url)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 from hvd_resilient import reference
-from hvd_resilient.config import ENV_ALIASES, settings
+from hvd_resilient.config import settings
 from hvd_resilient.launch.cli import build_parser
 from hvd_resilient.launch.run_options import RUN
 from tests.support.paths import ROOT
@@ -57,7 +57,7 @@ def test_every_environment_variable_the_code_reads_is_documented():
     for path in [*(ROOT / "hvd_resilient").rglob("*.py"), *(ROOT / "discovery").iterdir()]:
         if path.is_file():
             names |= set(ENV_NAME.findall(path.read_text(errors="replace")))
-    fields_env = {st.env for st in settings()} | set(ENV_ALIASES) | {
+    fields_env = {st.env for st in settings()} | {
         e for st in settings() for e in st.alias_envs}
     undocumented = sorted(
         n for n in names - fields_env

@@ -25,15 +25,12 @@ from hvd_resilient.checkpoint.memory.segments import (
 )
 
 ROOT_ENV = "HVD_RESILIENT_MEMORY_TIER_DIR"
-OLD_ROOT_ENV = "HVD_RESILIENT_STORE_MEMORY_DIR"
-"""The same setting's older name, still read (as the training config does)."""
 
 
 def default_root() -> str:
     """Where the tier lives unless told: ``$HVD_RESILIENT_MEMORY_TIER_DIR`` (the variable
-    the training config reads for ``memory_tier.dir``; its older name too), else
-    ``/dev/shm/hvd_resilient``."""
-    return os.environ.get(ROOT_ENV) or os.environ.get(OLD_ROOT_ENV) or DEFAULT_ROOT
+    the training config reads for ``memory_tier.dir``), else ``/dev/shm/hvd_resilient``."""
+    return os.environ.get(ROOT_ENV) or DEFAULT_ROOT
 
 
 def url_digest(url: str) -> str:
