@@ -23,10 +23,10 @@ from hvd_resilient.launch.horovod.patches import (
     evict,
     fatal_stop,
     gloo_check,
-    leaving,
+    next_slots,
     orphan_slots,
     slot_hosts,
-    standby,
+    standby_slots,
 )
 from hvd_resilient.launch.horovod.patches.context import PatchContext
 
@@ -58,7 +58,7 @@ class StubDriver:
         self.done = True
 
     def _start_worker_process(self, slot: Any) -> None:
-        self.started.append(standby.slot_key(slot))
+        self.started.append(standby_slots.slot_key(slot))
 
 
 def slot(host: str, rank: int = 0, local_rank: int = 0) -> SimpleNamespace:
@@ -75,8 +75,8 @@ def recorder() -> tuple[list[tuple[Any, ...]], Any]:
 def test_the_order_is_one_list_and_the_switches_pick_from_it():
     names = [p.name for p in patches.ORDER]
     assert names == ["discovery_interval", "discovery_check", "discovery_watch", "slot_hosts",
-                     "fatal_stop", "stop_signal", "standby", "evict", "orphan_slots",
-                     "gloo_check", "fast_middleman", "leaving"]
+                     "fatal_stop", "stop_signal", "standby_slots", "evict", "orphan_slots",
+                     "gloo_check", "fast_middleman", "next_slots"]
 
     def wanted(options: DriverOptions) -> list[str]:
         return [p.name for p in patches.ORDER if p.wanted(options)]
@@ -84,7 +84,7 @@ def test_the_order_is_one_list_and_the_switches_pick_from_it():
     assert wanted(DriverOptions()) == [n for n in names[1:] if n != "discovery_watch"]
     assert wanted(DriverOptions(slot_hosts=False, standby=False, discovery_interval_s=0.5)) \
         == ["discovery_interval", "discovery_check", "fatal_stop", "stop_signal", "evict",
-            "orphan_slots", "gloo_check", "fast_middleman", "leaving"]
+            "orphan_slots", "gloo_check", "fast_middleman", "next_slots"]
 
 
 def test_install_follows_the_order_it_is_given():
@@ -251,11 +251,12 @@ def test_a_client_that_hung_up_is_not_a_traceback():
 
 
 # -- standby ----------------------------------------------------------------------------------
-def make_standby(ctx: PatchContext) -> tuple[standby.Standby, dict[str, list[Any]]]:
+def make_standby(ctx: PatchContext) -> tuple[standby_slots.Standby, dict[str, list[Any]]]:
     seen: dict[str, list[Any]] = {"notify": [], "exit": [], "run": []}
-    patch = standby.Standby(
+    patch = standby_slots.Standby(
         ctx, notify=lambda d, hosts, res: seen["notify"].append(res),
-        handle_exit=lambda d, s, code, ts: seen["exit"].append((standby.slot_key(s), code)),
+        handle_exit=lambda d, s, code, ts: seen["exit"].append((standby_slots.slot_key(s),
+                                                                  code)),
         run_elastic=lambda args: seen["run"].append(list(args.command)))
     return patch, seen
 
@@ -282,7 +283,7 @@ def test_newcomers_start_as_standbys_and_rank_0_is_told_in_the_same_call(tmp_pat
     driver = grown_driver()
     patch.notify_host_changes(driver, Hosts(["a+0", "b+0"]), "added")
     assert driver.started == ["b+0:0"] and seen["notify"] == ["added"]
-    assert sorted(standby.standby_table(driver)) == ["b+0:0"]
+    assert sorted(patch.table(driver)) == ["b+0:0"]
     patch.notify_host_changes(driver, Hosts(["a+0", "b+0"]), "added")  # not started twice
     assert driver.started == ["b+0:0"] and len(seen["notify"]) == 2
     (ev,) = read_events(tmp_path / "events.jsonl")
@@ -294,9 +295,10 @@ def test_the_reset_releases_a_standby_once_it_is_ready_and_starts_the_others():
     patch, _ = make_standby(ctx)
     patch.wrapped = True
     driver = grown_driver()
+    fields = set(vars(driver))
     patch.notify_host_changes(driver, Hosts(["a+0", "b+0"]), "added")
-    driver.__dict__["_hvdr_formed"] = True
-    pending = [slot("a+0", rank=0), standby.standby_table(driver)["b+0:0"]]
+    patch.drivers.of(driver).formed = True
+    pending = [slot("a+0", rank=0), patch.table(driver)["b+0:0"]]
     pending[1].rank = 1
     release = threading.Thread(target=patch.start_or_release, args=(driver, pending))
     release.start()
@@ -312,8 +314,9 @@ def test_the_reset_releases_a_standby_once_it_is_ready_and_starts_the_others():
     go = httpd.cache[driver_kv.GO]
     assert go == {"a+0:0": b"0,2,0,1,0,2", "b+0:0": b"1,2,0,1,1,2"}
     assert driver.started == ["b+0:0", "a+0:0"], "a released standby is not started again"
-    assert standby.standby_table(driver) == {}
+    assert patch.table(driver) == {}
     assert httpd.cache[driver_kv.READY] == {}, "a released worker is no standby's READY"
+    assert set(vars(driver)) == fields, "the patch keeps what it knows itself, not in the driver"
 
 
 def test_a_rendezvous_keeps_the_standbys_ready_and_clears_the_rest():
@@ -325,7 +328,7 @@ def test_a_rendezvous_keeps_the_standbys_ready_and_clears_the_rest():
                                     "rank_and_size": {"a+0:0": b"x"}},
                              cache_lock=threading.Lock(), finished_list_lock=threading.Lock(),
                              finished_list={}, scope_size={}, _extract_scope_size=lambda plan: 0)
-    standby.keeping_ready(RendezvousHTTPServer.init)(server, [])
+    standby_slots.keeping_ready(RendezvousHTTPServer.init)(server, [])
     assert server.cache == {driver_kv.READY: {"b+0:0": b"1"}}
 
 
@@ -341,23 +344,23 @@ def test_the_store_lists_the_unreleased_standbys_for_rank_0_after_every_change()
 
     patch.notify_host_changes(driver, Hosts(["a+0", "b+0", "c+0"]), "added")
     assert listed() == b"b+0:0,c+0:0", "listed before rank 0 is told"
-    patch.handle_worker_exit(driver, standby.standby_table(driver)["c+0:0"], 1, 0.0)
+    patch.handle_worker_exit(driver, patch.table(driver)["c+0:0"], 1, 0.0)
     assert listed() == b"b+0:0", "a standby that died is not waited for"
     with httpd.cache_lock:
         httpd.cache.clear()  # the reset's rendezvous clears the store
         httpd.cache[driver_kv.READY] = {"b+0:0": b"1"}
-    patch.start_or_release(driver, [slot("a+0"), standby.standby_table(driver)["b+0:0"]])
-    assert listed() is None and standby.standby_table(driver) == {}
+    patch.start_or_release(driver, [slot("a+0"), patch.table(driver)["b+0:0"]])
+    assert listed() is None and patch.table(driver) == {}
 
 
 def test_a_standby_that_exits_before_its_release_is_only_logged():
     patch, seen = make_standby(PatchContext())
     driver = grown_driver()
     patch.notify_host_changes(driver, Hosts(["a+0", "b+0"]), "added")
-    waiting = standby.standby_table(driver)["b+0:0"]
+    waiting = patch.table(driver)["b+0:0"]
     compat.kv_set(driver, driver_kv.READY, "b+0:0", b"1")
     patch.handle_worker_exit(driver, waiting, FATAL_EXIT_CODE, 0.0)
-    assert seen["exit"] == [] and standby.standby_table(driver) == {}
+    assert seen["exit"] == [] and patch.table(driver) == {}
     assert compat.kv_get(driver, driver_kv.READY) == {}, "a dead standby is not ready"
     patch.handle_worker_exit(driver, slot("a+0"), 1, 0.0)  # a released worker: Horovod's
     assert seen["exit"] == [("a+0:0", 1)]
@@ -374,23 +377,25 @@ def test_only_a_command_of_this_python_runs_through_the_standby_worker():
 
 
 # -- eviction ---------------------------------------------------------------------------------
-def test_the_eviction_watch_starts_once_with_the_first_workers():
+def test_the_eviction_watch_starts_once_with_the_first_workers(monkeypatch):
     driver = StubDriver()
-    driver.done = True  # the watch thread ends at once
+    watched: list[Any] = []
+    monkeypatch.setattr(evict, "watch", lambda d, *a: watched.append(d))  # returns at once
     calls, start = recorder()
     start_workers = evict.start_and_watch(start, lambda host, pid: None, lambda *a, **k: None)
-    before = {t.name for t in threading.enumerate()}
+    before, fields = set(threading.enumerate()), set(vars(driver))
     start_workers(driver, ["s0"])
     start_workers(driver, ["s1"])
     assert [c[1] for c in calls] == [["s0"], ["s1"]]
-    assert driver.__dict__["_hvdr_evict"] is True
-    assert isinstance(driver._rendezvous._httpd.cache, evict._KeepsVerdicts)
-    for t in threading.enumerate():
-        if t.name == "hvd-resilient-evict" and t.name not in before:
+    for t in set(threading.enumerate()) - before:
+        if t.name == "hvd-resilient-evict":
             t.join(5)
+    assert watched == [driver], "one watch, started with the first workers"
+    assert isinstance(driver._rendezvous._httpd.cache, evict._KeepsVerdicts)
+    assert set(vars(driver)) == fields, "the patch keeps what it knows itself, not in the driver"
 
 
-# -- leaving ----------------------------------------------------------------------------------
+# -- next slots -------------------------------------------------------------------------------
 def test_the_next_world_s_slots_are_written_before_the_workers_are_told():
     driver = grown_driver()
     told: list[Any] = []
@@ -398,7 +403,7 @@ def test_the_next_world_s_slots_are_written_before_the_workers_are_told():
     def notify(d: Any, hosts: Any, res: Any) -> None:  # what the store holds when told
         told.append(compat.kv_get(d, driver_kv.NEXT_SLOTS).get(driver_kv.NEXT_SLOTS_KEY))
 
-    publish = leaving.publishing(notify)
+    publish = next_slots.publishing(notify)
     publish(driver, Hosts(["a+0", "b+0"]), "added")
     publish(driver, Hosts(["b+0"]), "removed")
     assert told == [b"a+0:0,b+0:0", b"b+0:0"]
@@ -408,13 +413,13 @@ def test_no_slots_are_written_where_no_world_would_form_now():
     driver = grown_driver()
     driver._min_num_proc = 2
     compat.kv_set(driver, driver_kv.NEXT_SLOTS, driver_kv.NEXT_SLOTS_KEY, b"stale:0")
-    leaving.publishing(lambda *a: None)(driver, Hosts(["a+0"]), "removed")
+    next_slots.publishing(lambda *a: None)(driver, Hosts(["a+0"]), "removed")
     assert compat.kv_get(driver, driver_kv.NEXT_SLOTS) == {}  # the stale list is gone too
-    assert leaving.next_slots(StubDriver(), Hosts(["a+0"])) is None  # no world formed yet
+    assert next_slots.next_slots(StubDriver(), Hosts(["a+0"])) is None  # no world formed yet
     before_any_world = StubDriver()
     before_any_world._rendezvous._httpd = None  # Horovod's first discovery comes before it
     told: list[str] = []
-    leaving.publishing(lambda *a: told.append(a[2]))(before_any_world, Hosts(["a+0"]), "added")
+    next_slots.publishing(lambda *a: told.append(a[2]))(before_any_world, Hosts(["a+0"]), "added")
     assert told == ["added"]
 
 
@@ -437,15 +442,13 @@ def test_a_watched_file_runs_the_script_once_it_changed_and_held_still(tmp_path)
     hosts = tmp_path / "hosts.txt"
     hosts.write_text("a:1\n")
     clock, runs = Clock(), []
-    pace = discovery_watch.Pace(str(hosts), 1.0, clock)
     d = SimpleNamespace()
 
     def run(self: Any) -> str:
         runs.append(clock.now)
         return hosts.read_text()
 
-    execute = discovery_watch.paced(run, str(hosts), 1.0)
-    d._hvdr_watch = {"pace": pace, "text": None}
+    execute = discovery_watch.paced(run, str(hosts), 1.0, clock)
     assert execute(d) == "a:1\n" and runs == [100.0]  # the first answer, at once
     clock.now += 0.05
     assert execute(d) == "a:1\n" and runs == [100.0]  # nothing changed: the last answer
@@ -465,10 +468,9 @@ def test_a_file_being_rewritten_waits_until_the_writes_stop(tmp_path):
     hosts = tmp_path / "hosts.txt"
     hosts.write_text("a:1\n")
     clock, runs = Clock(), []
-    d = SimpleNamespace(_hvdr_watch={"pace": discovery_watch.Pace(str(hosts), 10.0, clock),
-                                     "text": None})
+    d = SimpleNamespace()
     execute = discovery_watch.paced(lambda self: runs.append(1) or hosts.read_text(),
-                                    str(hosts), 10.0)
+                                    str(hosts), 10.0, clock)
     execute(d)
     with open(hosts, "a") as f:  # an editor writing in place, a line a tick
         for line in ("b:1\n", "c:1\n", "d:1\n"):
@@ -484,8 +486,7 @@ def test_a_failing_run_is_retried_at_the_interval_with_the_last_answer_kept(tmp_
     hosts = tmp_path / "hosts.txt"
     hosts.write_text("a:1\n")
     clock, answers = Clock(), ["a:1\n", RuntimeError("Exit code: 3"), "a:1\nb:1\n"]
-    d = SimpleNamespace(_hvdr_watch={"pace": discovery_watch.Pace(str(hosts), 1.0, clock),
-                                     "text": None})
+    d = SimpleNamespace()
 
     def run(self: Any) -> str:
         answer = answers.pop(0)
@@ -493,7 +494,7 @@ def test_a_failing_run_is_retried_at_the_interval_with_the_last_answer_kept(tmp_
             raise answer
         return answer
 
-    execute = discovery_watch.paced(run, str(hosts), 1.0)
+    execute = discovery_watch.paced(run, str(hosts), 1.0, clock)
     assert execute(d) == "a:1\n"
     clock.now += 1.0
     with pytest.raises(RuntimeError):  # Horovod warns once and keeps its hosts
@@ -521,6 +522,7 @@ def test_the_watch_runs_horovods_discovery_on_a_real_script(tmp_path, monkeypatc
                                if p.name in ("discovery_check", "discovery_watch")))
     assert driver.DISCOVER_HOSTS_FREQUENCY_SECS == discovery_watch.TICK_S
     found = discovery.HostDiscoveryScript(script, 1)
+    fields = set(vars(found))
     assert found.find_available_hosts_and_slots() == {"a": 1}
     assert found.find_available_hosts_and_slots() == {"a": 1}
     assert count.read_text().count("run") == 1
@@ -528,6 +530,7 @@ def test_the_watch_runs_horovods_discovery_on_a_real_script(tmp_path, monkeypatc
     assert found.find_available_hosts_and_slots() == {"a": 1}  # seen, not yet still
     assert found.find_available_hosts_and_slots() == {"a": 1, "b": 2}
     assert count.read_text().count("run") == 2
+    assert set(vars(found)) == fields, "the patches keep their state themselves, not in Horovod's"
 
 
 # -- Horovod's Gloo check, remembered ---------------------------------------------------------

@@ -3,7 +3,7 @@
 Horovod's own elastic test worker waits at most 3 s for that notice ("Timed out waiting for
 notifications from driver."); the standby patch used to hold it back until the newcomers had
 imported torch and Horovod (5-20 s). Here Horovod's real `ElasticDriver` methods, patched by
-`patches/standby.py`, run on a driver object with stand-ins only for what reaches the network
+`patches/standby_slots.py`, run on a driver object with stand-ins only for what reaches the network
 (the worker client, the process start, the rendezvous store), in a child process so that the
 patches never touch this test session's Horovod classes. The newcomer never gets ready (its
 start is a no-op), which is the slowest warm-up there is.
@@ -25,10 +25,10 @@ from horovod.runner.elastic.discovery import DiscoveredHosts
 from horovod.runner.elastic.driver import ElasticDriver
 from horovod.runner.elastic.worker import HostUpdateResult
 
-from hvd_resilient.launch.horovod.patches import standby
+from hvd_resilient.launch.horovod.patches import standby_slots
 from hvd_resilient.launch.horovod.patches.context import PatchContext
 
-standby.install(PatchContext())
+patch = standby_slots.install(PatchContext())
 
 class Client:
     def __init__(self):
@@ -62,7 +62,7 @@ out = {
     "started": list(started),
     "notices": [(t - t0, res) for t, res in client.notices],
     "added": int(HostUpdateResult.added),
-    "standby": sorted(d.__dict__.get("_hvdr_standby", {})),
+    "standby": sorted(patch.table(d)),
 }
 
 # The reset: the driver forms the new world and releases the newcomer (Horovod calls this in

@@ -1,14 +1,15 @@
 """Rank 0 holds an added host's reset back until its standby workers are warm.
 
 Discovery tells rank 0 of an added host at once (Horovod's contract), and Horovod resets at
-the next commit. The newcomers, started ahead as standbys (`launch/horovod/patches/standby.py`),
-may still be importing torch and Horovod then (5-20 s on a busy host); a reset at that moment
-makes the whole old world wait for them in the rendezvous. So while every pending change is an
-addition and the driver lists standbys that have not said READY, rank 0 treats the change as
-not yet arrived: the old world trains on, and the reset comes at the first commit after the
-newcomers are warm (the driver's barrier still waits for any that are not, as a backstop). A
-removal is never held: a leaving host must stop at once. The hold ends after
-`driver_kv.READY_TIMEOUT_S` whatever the standbys say, and when the driver does not answer.
+the next commit. The newcomers, started ahead as standbys
+(`launch/horovod/patches/standby_slots.py`), may still be importing torch and Horovod then
+(5-20 s on a busy host); a reset at that moment makes the whole old world wait for them in the
+rendezvous. So while every pending change is an addition and the driver lists standbys that
+have not said READY, rank 0 treats the change as not yet arrived: the old world trains on, and
+the reset comes at the first commit after the newcomers are warm (the driver's barrier still
+waits for any that are not, as a backstop). A removal is never held: a leaving host must stop
+at once. The hold ends after `driver_kv.READY_TIMEOUT_S` whatever the standbys say, and when
+the driver does not answer.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 from hvd_resilient.backends.horovod import driver_kv
 
@@ -43,7 +43,8 @@ class AddedHostsHold:
         self.held_s: float | None = None
         """How long the last hold lasted (None: nothing was held)."""
 
-    def holding(self, updates: list[Any]) -> bool:
+    def holding(self, updates: list[int]) -> bool:
+        """``updates``: the pending host messages' HostUpdateResults (IntFlags)."""
         if not updates or any(int(u) != ADDED for u in updates):
             return self._end()
         now = self._clock()

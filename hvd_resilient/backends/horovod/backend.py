@@ -14,6 +14,7 @@ from hvd_resilient.backends.horovod import ordered, slots
 from hvd_resilient.backends.horovod.run import HEARTBEAT_TIMEOUT_S
 from hvd_resilient.backends.horovod.run import run as run_elastic
 from hvd_resilient.backends.horovod.state import ElasticState
+from hvd_resilient.state.protocol import TrainingState
 
 
 class HorovodBackend(Backend):
@@ -33,19 +34,21 @@ class HorovodBackend(Backend):
         hvd_init.init(comm, ordered=True, deterministic=self.deterministic)
 
     def rank(self) -> int:
-        return hvd.rank()
+        return int(hvd.rank())
 
     def size(self) -> int:
-        return hvd.size()
+        return int(hvd.size())
 
     def local_size(self) -> int:
-        return hvd.local_size()
+        return int(hvd.local_size())
 
-    def wrap(self, model: Any, optimizer: Any, *, accumulation: int = 1) -> tuple[Any, Any]:
+    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+             accumulation: int = 1) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         if torch.cuda.is_available():  # one GPU per worker, by its rank on the host
             slot = slots.local_rank()  # with slot hosts hvd.local_rank() is always 0
             torch.cuda.set_device(hvd.local_rank() if slot is None else slot)
             model.cuda()
+        opt: Any  # Horovod's DistributedOptimizer, whose class (and its methods) has no types
         if self.deterministic:  # gradients averaged in one fixed order (docs/determinism.md)
             opt = ordered.ordered_optimizer(optimizer, model.named_parameters())
         else:
@@ -55,16 +58,17 @@ class HorovodBackend(Backend):
         opt.set_backward_passes_per_step(accumulation)
         return model, opt
 
-    def make_state(self, model: Any, optimizer: Any, **kwargs: Any) -> ElasticState:
+    def make_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   **kwargs: Any) -> ElasticState:
         kwargs.setdefault("host_check_every", self.host_check_every)
         kwargs.setdefault("hold_additions", True)  # the Trainer's loop has no Horovod timing
         return ElasticState(model, optimizer, **kwargs)
 
-    def run(self, fn: Callable[[Any], None], state: Any) -> None:
+    def run(self, fn: Callable[[TrainingState], None], state: TrainingState) -> None:
         run_elastic(fn, heartbeat_timeout_s=self.heartbeat_timeout_s)(state)
 
     def allgather_object(self, obj: Any) -> list[Any]:
-        return hvd.allgather_object(obj)
+        return list(hvd.allgather_object(obj))
 
     def any_rank(self, flag: bool) -> bool:
         t = torch.tensor([1.0 if flag else 0.0])

@@ -11,10 +11,10 @@ import torch
 
 class HorovodCollectives:
     def rank(self) -> int:
-        return hvd.rank()
+        return int(hvd.rank())
 
     def allgather_object(self, obj: Any) -> list[Any]:
-        return hvd.allgather_object(obj, name="hvd_resilient.sync.digests")
+        return list(hvd.allgather_object(obj, name="hvd_resilient.sync.digests"))
 
     def broadcast_object(self, obj: Any) -> Any:
         return hvd.broadcast_object(obj, root_rank=0, name="hvd_resilient.sync.tree")

@@ -78,7 +78,7 @@ WORKER_TARGETS = (
     ("horovod.common.elastic", "ObjectState._set_attrs"),
     ("horovod.common.exceptions", "HorovodInternalError"),
     ("horovod.common.exceptions", "HostsUpdatedInterrupt"),
-    # a leaving worker asks the rendezvous for its slot as init does (`leaving.py`)
+    # a leaving worker asks the rendezvous for its slot as init does (`dropped_slot.py`)
     ("horovod.runner.elastic.rendezvous", "GET_RANK_AND_SIZE"),
     # a standby's first init waits for its release (`launch/horovod/standby.py`)
     ("horovod.common.basics", "HorovodBasics.init"),

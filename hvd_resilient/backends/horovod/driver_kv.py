@@ -25,7 +25,7 @@ WARMING = "hvd_resilient_standby_warming"
 WARMING_KEY = "slots"
 NEXT_SLOTS = "hvd_resilient_next_slots"
 """Scope: key `slots`, the slots of the world the driver forms at the host change it is about
-to announce, comma-separated (`launch/horovod/patches/leaving.py`)."""
+to announce, comma-separated (`launch/horovod/patches/next_slots.py`)."""
 NEXT_SLOTS_KEY = "slots"
 READY_TIMEOUT_S = 120.0
 """How long a standby's warm-up is waited for, by the driver's reset and by rank 0's hold."""
@@ -47,7 +47,8 @@ def get(url: str, timeout: float = 5.0) -> bytes | bool | None:
     """The value; False when the driver says there is none; None when it does not answer."""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.read()
+            value: bytes = r.read()
+            return value
     except urllib.error.HTTPError:
         return False
     except (urllib.error.URLError, OSError):

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import gc
 import warnings
-from typing import Any
 
 FIX = ("replace it with hvd_resilient.DistributedSampler (same arguments) and pass it to "
        "ElasticState(..., sampler=...): it re-partitions at every reset "
        "(docs/migrating-from-horovod.md)")
 
 
-def stale_samplers(size: int, rank: int, objects: list[Any] | None = None) -> list[str]:
+def stale_samplers(size: int, rank: int, objects: list[object] | None = None) -> list[str]:
     """Each `torch.utils.data.DistributedSampler` (or subclass) whose world is not the live
     one, as ``num_replicas=N rank=R`` text; ``objects``: where to look (default: every object
     the garbage collector tracks)."""
@@ -41,7 +40,7 @@ def stale_samplers(size: int, rank: int, objects: list[Any] | None = None) -> li
     return found
 
 
-def diagnose(size: int, rank: int, objects: list[Any] | None = None) -> str:
+def diagnose(size: int, rank: int, objects: list[object] | None = None) -> str:
     """One clause for the watchdog's line ("" when nothing stale is found)."""
     stale = stale_samplers(size, rank, objects)
     if not stale:

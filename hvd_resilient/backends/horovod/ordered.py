@@ -6,13 +6,19 @@ shares): it reads private fields of Horovod's optimizer, declared in `compat.py`
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from hvd_resilient.backends.determinism import GRADIENTS_NAME
 from hvd_resilient.errors import ConfigError
 
+if TYPE_CHECKING:
+    import torch
 
-def ordered_optimizer(optimizer: Any, named_parameters: Any) -> Any:
+
+def ordered_optimizer(optimizer: torch.optim.Optimizer,
+                      named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
+                      ) -> torch.optim.Optimizer:
     """`hvd.DistributedOptimizer` whose gradients are averaged in a fixed order: its
     per-gradient hooks only mark a gradient done, and `synchronize()` (called by `step()`)
     averages all of them at once with one grouped allreduce in parameter order (a gradient
@@ -33,7 +39,7 @@ def ordered_optimizer(optimizer: Any, named_parameters: Any) -> Any:
                               " (written against Horovod 0.28.1)")
     params = [p for group in opt.param_groups for p in group["params"] if p.requires_grad]
 
-    def no_reduction(p: Any) -> tuple[None, None]:
+    def no_reduction(p: torch.Tensor) -> tuple[None, None]:
         return None, None  # the hook records (None, None): done, nothing in flight
 
     def synchronize() -> None:
@@ -52,4 +58,5 @@ def ordered_optimizer(optimizer: Any, named_parameters: Any) -> Any:
 
     opt._allreduce_grad_async = no_reduction
     opt.synchronize = synchronize
-    return opt
+    wrapped: torch.optim.Optimizer = opt  # Horovod's class of the optimizer's own class
+    return wrapped

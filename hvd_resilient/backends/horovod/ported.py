@@ -26,7 +26,7 @@ import os
 import socket
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import horovod.torch as hvd
 
@@ -37,6 +37,11 @@ from hvd_resilient.detect import progress
 from hvd_resilient.detect.progress import ProgressWatchdog
 from hvd_resilient.events import read_recent_events
 from hvd_resilient.launcher_env import FORKED_ENV, RUN_ID_ENV
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
+    from hvd_resilient.backends.horovod.state import ElasticState
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +96,7 @@ def _started_already(path: Path | None) -> bool:
 
 def _rank() -> int:
     try:
-        return hvd.rank()
+        return int(hvd.rank())
     except ValueError:  # Horovod is down: a reset in progress
         return -1
 
@@ -99,7 +104,7 @@ def _rank() -> int:
 class PortedLoop:
     """Events and the progress watchdog around one `@hvd_resilient.run` loop (module doc)."""
 
-    def __init__(self, state: Any, options: RecoveryOptions) -> None:
+    def __init__(self, state: ElasticState, options: RecoveryOptions) -> None:
         self.state = state
         events = state.events
         run_dir = str(events.path.parent) if events.path is not None else os.getcwd()
@@ -110,7 +115,7 @@ class PortedLoop:
             else max(options.progress_floor_seconds, PORTED_FLOOR_S),
             factor=options.progress_factor, first_step_s=options.first_step_seconds,
             diagnose=hang_hint.diagnose_live)
-        self._hooks: list[Any] = []
+        self._hooks: list[RemovableHandle] = []
         self.writes_events = True
         """False when the script wrote its own `start` (and so writes its own `done`)."""
 
@@ -146,7 +151,7 @@ class PortedLoop:
             self.state.events.emit(ev.STALE_SAMPLER, cause=cause)
             logger.warning("rank %d: %s", _rank(), cause)
 
-    def _hook(self, optimizer: Any) -> None:
+    def _hook(self, optimizer: object) -> None:
         """Progress at each `optimizer.step()`; the step itself waits for the gradient
         allreduce (Horovod's `DistributedOptimizer.step` synchronizes first), so it is a wait
         for peers: a victim of a hung peer gets the longer budget, and the line says so."""
@@ -156,16 +161,16 @@ class PortedLoop:
             return
         dog = self.dog
 
-        def before(*_: Any) -> None:
+        def before(*_: object) -> None:
             dog.begin_wait(GRADIENT_WAIT)
 
-        def after(*_: Any) -> None:
+        def after(*_: object) -> None:
             dog.end_wait()
             dog.step()
 
         self._hooks = [pre(before), post(after)]
 
-    def _hook_forward(self, model: Any) -> None:
+    def _hook_forward(self, model: object) -> None:
         """Progress at each forward pass of the model too: an evaluation inside the loop (no
         optimizer step for minutes) is progress, not a hang. One hook on the root module: a
         call per forward, not per layer."""

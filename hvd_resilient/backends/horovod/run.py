@@ -15,7 +15,7 @@ import functools
 import logging
 import os
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import horovod.torch as hvd
 import torch
@@ -26,7 +26,7 @@ from hvd_resilient import event_names as ev
 from hvd_resilient.backends import recovery
 from hvd_resilient.backends.horovod import (
     driver_watch,
-    leaving,
+    dropped_slot,
     lost_slots,
     pinned_handles,
     slots,
@@ -37,6 +37,7 @@ from hvd_resilient.backends.threads import share_cores
 from hvd_resilient.detect import Detectors, progress
 from hvd_resilient.detect.gloo_watch import GlooWatch
 from hvd_resilient.detect.silent_peers import SilentPeers
+from hvd_resilient.state.protocol import TrainingState
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -46,9 +47,21 @@ HEARTBEAT_TIMEOUT_S = 1.5
 """Default of `recovery.heartbeat_timeout_seconds`: a peer silent this long is evicted."""
 
 
+@overload
+def run(func: Callable[..., T], *, heartbeat_timeout_s: float = ...,
+        progress_timeout_s: float | None = ...) -> Callable[..., T]: ...
+
+
+@overload
+def run(func: None = None, *, heartbeat_timeout_s: float = ...,
+        progress_timeout_s: float | None = ...,
+        ) -> Callable[[Callable[..., T]], Callable[..., T]]: ...
+
+
 def run(func: Callable[..., T] | None = None, *,
         heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
-        progress_timeout_s: float | None = None) -> Any:
+        progress_timeout_s: float | None = None,
+        ) -> Callable[..., T] | Callable[[Callable[..., T]], Callable[..., T]]:
     """Decorates `train(state, ...)`; the function must not start with a collective.
     `@run`, or `@run(heartbeat_timeout_s=..., progress_timeout_s=...)`: heartbeats (0: none);
     the progress budget of a loop of your own (`ported.py`): seconds without an
@@ -122,9 +135,10 @@ class _HorovodWorld:
     def allgather(self, obj: Any) -> list[Any]:
         return list(hvd.allgather_object(obj))
 
-    def sync(self, state: Any, rider: Any, arm: Callable[[list[Any]], None]) -> None:
-        if type(state).sync is ElasticState.sync:  # the offers ride in the sync's first
-            state.sync_with(rider, arm)  # allgather: armed before anything is sent
+    def sync(self, state: TrainingState, rider: Any, arm: Callable[[list[Any]], None]) -> None:
+        if isinstance(state, ElasticState) and type(state).sync is ElasticState.sync:
+            # the offers ride in the sync's first allgather: armed before anything is sent
+            state.sync_with(rider, arm)
         else:  # a subclass's own sync(): arm first, from an allgather of its own
             arm(self.allgather(rider))
             state.sync()
@@ -143,7 +157,7 @@ class _StaticWorld(recovery.FormOnce, _HorovodWorld):
                                                machine=slots.machine(), slot="",
                                                coordinator=None))
 
-    def sync(self, state: Any, rider: Any, arm: Callable[[list[Any]], None]) -> None:
+    def sync(self, state: TrainingState, rider: Any, arm: Callable[[list[Any]], None]) -> None:
         arm(self.allgather(rider))
         state.sync()
 
@@ -196,12 +210,12 @@ class _ElasticWorld(_HorovodWorld):
 
     def leaving(self) -> str | None:
         """The slot the host change removed: this worker leaves, exit code 0, before the
-        `hvd.init()` that would abort it (`leaving.py`)."""
-        return leaving.slot_left()
+        `hvd.init()` that would abort it (`dropped_slot.py`)."""
+        return dropped_slot.slot_left()
 
     def leave(self, slot: str) -> int:
         hvd.shutdown()
-        return leaving.exit_code_of_leaving(slot)
+        return dropped_slot.exit_code_of_leaving(slot)
 
     def tear_down(self, fault: recovery.Fault) -> None:
         hvd.shutdown()  # joins Horovod's background loop
@@ -210,5 +224,7 @@ class _ElasticWorld(_HorovodWorld):
         hvd.init()  # the driver's rendezvous, then the new world's Gloo connections
         pinned_handles.install()
 
-    def rejoined(self, state: Any) -> None:
-        state.on_reset()
+    def rejoined(self, state: TrainingState) -> None:
+        """Horovod's reset callbacks (TorchState's `on_reset`), on the state this world was
+        built for: the loop's own, which `_run_elastic` hands it too."""
+        self.state.on_reset()

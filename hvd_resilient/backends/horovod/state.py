@@ -15,7 +15,7 @@ in Horovod's documentation, the sampler (ours, or Horovod's `ElasticSampler`) is
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import horovod.torch as hvd
@@ -32,7 +32,7 @@ from hvd_resilient.state.commits import Commit, RngCommit, commit_for
 from hvd_resilient.state.core import InMemoryState, is_stateful
 
 
-class _Slot(StateHandler):
+class _Slot(StateHandler):  # type: ignore[misc]  # Horovod ships no types
     """One of TorchState's handler slots, holding a backend-neutral commit (state/commits.py:
     GIL-free copies, restores from a copy); the sync is the state's (`agree`), never the
     handler's."""
@@ -55,7 +55,7 @@ class _Slot(StateHandler):
         raise AssertionError("ElasticState.sync sends every component itself")
 
 
-class ElasticState(InMemoryState, TorchState):
+class ElasticState(InMemoryState, TorchState):  # type: ignore[misc]  # as above
     """State of one elastic training run: model, optimizer, scheduler, sampler, counters, RNG.
 
     `step` and `samples` count optimizer steps and samples over the whole run; the epoch and the
@@ -124,10 +124,10 @@ class ElasticState(InMemoryState, TorchState):
         it on."""
 
     def _rank(self) -> int:
-        return hvd.rank()
+        return int(hvd.rank())
 
     def _size(self) -> int:
-        return hvd.size()
+        return int(hvd.size())
 
     # -- the elastic protocol -------------------------------------------------------------
     def commit(self) -> None:
@@ -254,7 +254,7 @@ class ElasticState(InMemoryState, TorchState):
         self.register_reset_callbacks([fn])
 
 
-def default_event_log(env: Any = None) -> EventLog:
+def default_event_log(env: Mapping[str, str] | None = None) -> EventLog:
     """The run folder's `events.jsonl` when the launcher named one, else a log that writes
     nothing. A ported Horovod script passes no ``events=``; without this it wrote no events,
     so the supervisor never relaunched it and `hvd-resilient report` had nothing to read."""

@@ -37,7 +37,7 @@ class DriverOptions:
     slot_hosts: bool = True
     """Every slot its own host (`backends/horovod/slots.py`)."""
     standby: bool = True
-    """Newcomers started ahead of the reset (`patches/standby.py`)."""
+    """Newcomers started ahead of the reset (`patches/standby_slots.py`)."""
     warm_pool: bool = False
     """The standbys of this machine forked from a warm pool (`warm_pool_server.py`)."""
     discovery_interval_s: float | None = None

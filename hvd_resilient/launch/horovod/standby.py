@@ -35,7 +35,7 @@ MAX_WAIT_S = 900.0  # a standby never released (its host left again) exits quiet
 READY_AGAIN_S = 0.2
 """How often a waiting standby says READY again: a driver restarted in place of a dead one,
 or one whose store lost the key, hears it within this. The driver keeps a READY across its
-rendezvous, which clears the rest of its store (`patches/standby.py`, `keeping_ready`): had
+rendezvous, which clears the rest of its store (`patches/standby_slots.py`, `keeping_ready`): had
 the standby's next beat been waited for, it would be in the stall of every growth."""
 
 

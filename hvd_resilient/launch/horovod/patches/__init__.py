@@ -5,7 +5,8 @@ Each family only wraps (or replaces) methods of Horovod's launcher, through
 `backends/horovod/compat.replace`, which refuses a target `check_compatible` does not check;
 the protocol between driver and workers stays Horovod's own. Each is handed the
 `PatchContext` (the switches read once at the driver's entry, the event log, what it saw)
-and reads no environment.
+and reads no environment; what a family keeps about one of Horovod's objects it keeps in a
+`PerObject` of its own, never in that object.
 
 The order matters where two families touch the same method: the later one wraps what the
 earlier one left, and a family that replaces a method outright must come before any that
@@ -27,10 +28,10 @@ from hvd_resilient.launch.horovod.patches import (
     fast_middleman,
     fatal_stop,
     gloo_check,
-    leaving,
+    next_slots,
     orphan_slots,
     slot_hosts,
-    standby,
+    standby_slots,
     stop_signal,
 )
 from hvd_resilient.launch.horovod.patches.context import PatchContext
@@ -41,7 +42,9 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Patch:
     name: str
-    install: Callable[[PatchContext], None]
+    install: Callable[[PatchContext], object]
+    """Installs the family (what it returns, the installed patch where it has one, is not
+    used here)."""
     wanted: Callable[[DriverOptions], bool] = lambda options: True
     """Whether this launch wants it (its switch)."""
 
@@ -58,20 +61,20 @@ ORDER: tuple[Patch, ...] = (
     Patch("discovery_watch", discovery_watch.install, lambda o: o.discovery_watch is not None),
     # HVD_RESILIENT_SLOT_HOSTS: splits what discovery answers (checked, above).
     Patch("slot_hosts", slot_hosts.install, lambda o: o.slot_hosts),
-    # Wraps _handle_worker_exit: before the standby, which wraps it again, so that a standby
+    # Wraps _handle_worker_exit: before standby_slots, which wraps it again, so that a standby
     # exiting before its release is only logged (it never stops the job).
     Patch("fatal_stop", fatal_stop.install),
     # Replaces gloo_run.register_shutdown_event and ElasticDriver.start (touched by nothing
-    # else) and wraps _handle_worker_exit before the standby, so that the exit of a standby
+    # else) and wraps _handle_worker_exit before standby_slots, so that the exit of a standby
     # not yet released (it holds no state) is not counted among the workers' at a stop.
     Patch("stop_signal", stop_signal.install),
     # HVD_RESILIENT_STANDBY: replaces _start_worker_processes outright (it starts or releases
     # each slot itself), so the eviction watch, which wraps it, comes after.
-    Patch("standby", standby.install, lambda o: o.standby),
+    Patch("standby_slots", standby_slots.install, lambda o: o.standby),
     # Wraps _start_worker_processes: the watch starts with the first workers.
     Patch("evict", evict.install),
-    # Wraps _handle_worker_exit after the standby (every exit marks its slot, a standby's too)
-    # and _start_worker_process, which the standby calls for every start; the only one to
+    # Wraps _handle_worker_exit after standby_slots (every exit marks its slot, a standby's
+    # too) and _start_worker_process, which standby_slots calls for every start; the only one to
     # touch _update_host_assignments.
     Patch("orphan_slots", orphan_slots.install),
     # Replaces launch.gloo_built (a module-level name): touched by nothing else.
@@ -79,9 +82,9 @@ ORDER: tuple[Patch, ...] = (
     # Replaces safe_shell_exec's view of multiprocessing: touched by nothing else; first
     # launch after it.
     Patch("fast_middleman", fast_middleman.install),
-    # Wraps _notify_workers_host_changes, which the standby replaced by its own wrapper
+    # Wraps _notify_workers_host_changes, which standby_slots replaced by its own wrapper
     # (either order works: the next world's slots are written before anything is told).
-    Patch("leaving", leaving.install),
+    Patch("next_slots", next_slots.install),
 )
 
 

@@ -3,15 +3,18 @@
 One launcher runs per driver process, so one context: the switches read at the entry, the
 run's event log (opened on first use: rank -1, not a worker), and what the patches saw that
 decides the driver's last line (a worker's fatal stop, an unusable first discovery answer,
-launcher threads that ended in an exception).
+launcher threads that ended in an exception). What a family keeps for itself about one of
+Horovod's objects (its standbys, the slots whose worker exited) it keeps in a `PerObject` of
+its own, never in that object.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from hvd_resilient.errors import one_line
 from hvd_resilient.launch.horovod.options import DriverOptions
@@ -36,6 +39,35 @@ def driver_method(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     method.__name__ = method.__qualname__ = fn.__name__
     return method
+
+
+T = TypeVar("T")
+
+
+class PerObject(Generic[T]):
+    """What a patch family keeps about each of Horovod's objects it serves (the driver, the
+    discovery script's object), held by the family instead of written into that object as an
+    attribute: Horovod's objects stay as Horovod built them (nothing of ours can collide with
+    a name a later release adds, or ride along where Horovod copies or inspects them), and a
+    family's state is found beside its code. ``of(obj)`` is that object's state, made by
+    ``new()`` at the first ask.
+
+    Keyed by identity, since Horovod's objects need not be hashable (nor can every stand-in of
+    the tests be weakly referenced); each entry holds its object, so an identity is never
+    reused while its entry lives. A driver process has one driver and one discovery object,
+    which live as long as it does."""
+
+    def __init__(self, new: Callable[[], T]) -> None:
+        self._new = new
+        self._lock = threading.Lock()  # a first ask from two of Horovod's threads at once
+        self._entries: dict[int, tuple[object, T]] = {}
+
+    def of(self, obj: object) -> T:
+        with self._lock:
+            entry = self._entries.get(id(obj))
+            if entry is None:
+                entry = self._entries[id(obj)] = (obj, self._new())
+            return entry[1]
 
 
 @dataclass

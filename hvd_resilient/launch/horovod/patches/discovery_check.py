@@ -23,38 +23,51 @@ import os
 import signal
 import subprocess
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from hvd_resilient import event_names as ev
 from hvd_resilient.backends.horovod import compat
-from hvd_resilient.launch.horovod.patches.context import PatchContext, masked_line
+from hvd_resilient.launch.horovod.patches.context import PatchContext, PerObject, masked_line
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class Answers:
+    """What the check remembers of one discovery object's answers."""
+
+    good: dict[str, int] | None = None
+    """The last usable host list (None: none yet, so a bad answer stops the job)."""
+    bad: str | None = None
+    """The error of the bad answer last warned about (each distinct one is warned once)."""
+
+
 def checked_find(ctx: PatchContext) -> Callable[[Any], dict[str, int]]:
     """`HostDiscoveryScript.find_available_hosts_and_slots`, checked; `self` is the discovery
-    object (it runs the script, and keeps the last good answer)."""
+    object (it runs the script); the last good answer of each is kept here (`Answers`)."""
     from hvd_resilient.discovery.validate import DiscoveryOutputError, parse_discovery_output
+
+    answers: PerObject[Answers] = PerObject(Answers)
 
     def find_available_hosts_and_slots(self: Any) -> dict[str, int]:
         text = self._execute_discovery_script()
-        state = self.__dict__.setdefault("_hvdr_discovery_check", {"good": None, "bad": None})
+        seen = answers.of(self)
         script = self._discovery_script
         try:
             hosts = parse_discovery_output(text, default_slots=self._default_slots or 1)
         except DiscoveryOutputError as e:
-            if state["good"] is None:  # the first answer: nothing to fall back on
+            if seen.good is None:  # the first answer: nothing to fall back on
                 ctx.discovery_error = masked_line(f"discovery script {script} printed {e}")
                 raise RuntimeError(ctx.discovery_error) from None
-            if state["bad"] != str(e):  # once per distinct bad answer, not every second
-                state["bad"] = str(e)
+            if seen.bad != str(e):  # once per distinct bad answer, not every second
+                seen.bad = str(e)
                 logger.warning("discovery script %s printed %s; keeping the last good host "
-                               "list %s", script, e, hosts_arg(state["good"]))
+                               "list %s", script, e, hosts_arg(seen.good))
                 ctx.emit(ev.DISCOVERY_INVALID, script=script, error=str(e),
-                         kept=hosts_arg(state["good"]))
-            return dict(state["good"])
-        state["good"], state["bad"] = hosts, None
+                         kept=hosts_arg(seen.good))
+            return dict(seen.good)
+        seen.good, seen.bad = hosts, None
         return hosts
 
     return find_available_hosts_and_slots

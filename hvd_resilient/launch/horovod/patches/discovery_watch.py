@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from hvd_resilient.backends.horovod import compat
-from hvd_resilient.launch.horovod.patches.context import PatchContext
+from hvd_resilient.launch.horovod.patches.context import PatchContext, PerObject
 
 TICK_S = 0.05
 """How often the file is looked at (Horovod's discovery loop wakes this often)."""
@@ -61,19 +63,28 @@ class Pace:
         self.ran_at, self.ran_on = self.clock(), self.seen
 
 
-def paced(run: Any, path: str, interval_s: float) -> Any:
+@dataclass
+class Watched:
+    """One discovery object's script, as the watch paces it."""
+
+    pace: Pace
+    text: str | None = None
+    """The script's last answer, handed back between runs (None: it never answered)."""
+
+
+def paced(run: Callable[[Any], str], path: str, interval_s: float,
+          clock: Callable[[], float] = time.monotonic) -> Callable[[Any], str]:
     """`HostDiscoveryScript._execute_discovery_script` run only when due; `run` is the one
-    in place (discovery_check's)."""
+    in place (discovery_check's). ``clock``: the pace's (a test's stand-in)."""
+    watched: PerObject[Watched] = PerObject(lambda: Watched(Pace(path, interval_s, clock)))
 
     def execute(self: Any) -> str:
-        state = self.__dict__.setdefault("_hvdr_watch", {"pace": Pace(path, interval_s),
-                                                         "text": None})
-        pace: Pace = state["pace"]
-        if not pace.due() and state["text"] is not None:
-            return state["text"]
-        pace.ran()
+        state = watched.of(self)
+        if not state.pace.due() and state.text is not None:
+            return state.text
+        state.pace.ran()
         text = run(self)  # raises on a failure: Horovod warns, keeps its hosts
-        state["text"] = text
+        state.text = text
         return text
 
     return execute

@@ -25,7 +25,7 @@ import psutil
 from hvd_resilient import event_names as ev
 from hvd_resilient.backends.horovod import compat, slots
 from hvd_resilient.backends.horovod.lost_slots import LOST_SCOPE
-from hvd_resilient.launch.horovod.patches.context import PatchContext
+from hvd_resilient.launch.horovod.patches.context import PatchContext, PerObject
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def watch(driver: Any, remote_kill: Callable[[str, int], None], emit: Callable[.
         time.sleep(poll_s)
 
 
-class _KeepsVerdicts(dict):
+class _KeepsVerdicts(dict[str, dict[str, bytes]]):
     """The rendezvous store's cache, which Horovod clears at every new rendezvous, keeping
     the silent slots named so far: an evicted worker that reconnects (a healed partition)
     asks there whether it was evicted, after the survivors' reset has begun."""
@@ -139,10 +139,12 @@ def keep_verdicts(driver: Any) -> None:
 def start_and_watch(start: Callable[..., None], remote_kill: Callable[[str, int], None],
                     emit: Callable[..., Any]) -> Callable[..., None]:
     """`ElasticDriver._start_worker_processes` that starts the driver's watch first, once."""
+    watching: PerObject[threading.Event] = PerObject(threading.Event)  # set: watch started
 
     def start_worker_processes(self: Any, pending_slots: list[Any]) -> None:
-        if not self.__dict__.get("_hvdr_evict"):
-            self.__dict__["_hvdr_evict"] = True
+        started = watching.of(self)
+        if not started.is_set():
+            started.set()
             keep_verdicts(self)
             threading.Thread(target=watch, args=(self, remote_kill, emit), daemon=True,
                              name="hvd-resilient-evict").start()
@@ -161,14 +163,14 @@ def install(ctx: PatchContext) -> None:
 
 def _name(p: psutil.Process) -> str:
     try:
-        return p.name()
+        return str(p.name())
     except psutil.Error:
         return ""
 
 
 def _descendants(p: psutil.Process) -> list[psutil.Process]:
     try:
-        return p.children(recursive=True)
+        return list(p.children(recursive=True))
     except psutil.Error:
         return []
 

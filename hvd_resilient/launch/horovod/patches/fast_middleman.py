@@ -38,7 +38,7 @@ class MiddlemanContext:
     def __init__(self, forkserver: Any) -> None:
         self.forkserver = forkserver
 
-    def Process(self, *, target: Any = None, args: tuple = (), **kwargs: Any) -> Any:  # noqa: N802 - multiprocessing's name
+    def Process(self, *, target: Any = None, args: tuple[Any, ...] = (), **kwargs: Any) -> Any:  # noqa: N802 - multiprocessing's name
         from horovod.runner.common.util import safe_shell_exec
 
         if target is safe_shell_exec._exec_middleman:

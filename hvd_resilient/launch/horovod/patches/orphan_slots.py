@@ -14,7 +14,7 @@ never recovers (2 of 40 random kills on 12-05; `bench/fault_in_reset.py` makes i
 
 Here every worker exit marks its slot, every worker start clears the mark, and a world that
 assigns a marked slot starts it with the newcomers (through the standby worker where that is
-on: `patches/standby.py` starts any slot it is handed).
+on: `patches/standby_slots.py` starts any slot it is handed).
 """
 
 from __future__ import annotations
@@ -26,7 +26,12 @@ from typing import Any
 
 from hvd_resilient import event_names as ev
 from hvd_resilient.backends.horovod import compat
-from hvd_resilient.launch.horovod.patches.context import PatchContext, driver_method, slot_key
+from hvd_resilient.launch.horovod.patches.context import (
+    PatchContext,
+    PerObject,
+    driver_method,
+    slot_key,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +46,11 @@ class OrphanSlots:
         self._start = start
         self._handle_exit = handle_exit
         self.lock = threading.Lock()
+        self._exited: PerObject[set[str]] = PerObject(set)
 
-    @staticmethod
-    def exited(driver: Any) -> set[str]:
+    def exited(self, driver: Any) -> set[str]:
         """Slots whose last worker exited and that were not started since."""
-        return driver.__dict__.setdefault("_hvdr_exited", set())
+        return self._exited.of(driver)
 
     def handle_worker_exit(self, driver: Any, slot: Any, *args: Any) -> None:
         with self.lock:

@@ -1,4 +1,5 @@
-"""Workers whose slot left the job are told so, and leave cleanly.
+"""The next world's slots, written before the workers hear of a host change: a worker whose
+slot left the job learns so, and leaves cleanly.
 
 When discovery drops a host (or slots of one), Horovod tells every worker "hosts changed";
 each resets, and a worker whose slot is gone learns it only inside `hvd.init()`: Horovod's
@@ -9,10 +10,10 @@ called ... Aborted" in the job's output at every planned scale-down).
 Here the driver writes, before it tells the workers, the slots of the world it will form
 (`driver_kv.NEXT_SLOTS`); a worker resetting for a host change reads it first and, when its
 slot is not there, answers the rendezvous as `hvd.init()` would and exits 0 without calling
-it (`backends/horovod/leaving.py`). Horovod ignores the exit of a slot without a rank, as it
-ignored the abort. The list is only written
-where Horovod would form a world at once (at least --min-np slots), and Horovod's rendezvous
-clears it: a worker that finds none initializes as before.
+it (`backends/horovod/dropped_slot.py`). Horovod ignores the exit of a slot without a rank, as
+it ignored the abort. The list is only written where Horovod would form a world at once (at
+least --min-np slots), and Horovod's rendezvous clears it: a worker that finds none initializes
+as before.
 """
 
 from __future__ import annotations

@@ -37,19 +37,30 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from hvd_resilient import event_names as ev
 from hvd_resilient.backends.horovod import compat, driver_kv
 from hvd_resilient.launch.horovod import standby as standby_worker
-from hvd_resilient.launch.horovod.patches.context import PatchContext, driver_method, slot_key
+from hvd_resilient.launch.horovod.patches.context import (
+    PatchContext,
+    PerObject,
+    driver_method,
+    slot_key,
+)
 
 logger = logging.getLogger(__name__)
 
 
-def standby_table(driver: Any) -> dict[str, Any]:
-    """The driver's standby workers: started, not yet released (slot key -> SlotInfo)."""
-    return driver.__dict__.setdefault("_hvdr_standby", {})
+@dataclass
+class DriverStandbys:
+    """What the patch keeps about one driver."""
+
+    table: dict[str, Any] = field(default_factory=dict)
+    """Its standby workers: started, not yet released (slot key -> SlotInfo)."""
+    formed: bool = False
+    """Its first world was formed: every later `_start_worker_processes` is a reset."""
 
 
 class Standby:
@@ -64,14 +75,19 @@ class Standby:
         self._handle_exit = handle_exit
         self._run_elastic = run_elastic
         self.lock = threading.Lock()  # the standby table: started, not yet released
+        self.drivers: PerObject[DriverStandbys] = PerObject(DriverStandbys)
         self.wrapped = False
         """Every worker runs through the standby module (same Python), speaking its protocol
         (ready, go); set when the job's command is seen."""
 
+    def table(self, driver: Any) -> dict[str, Any]:
+        """The driver's standby workers: started, not yet released (slot key -> SlotInfo)."""
+        return self.drivers.of(driver).table
+
     def notify_host_changes(self, driver: Any, current_hosts: Any, update_res: Any) -> None:
         """`_notify_workers_host_changes`: the newcomers of the world to be formed start now,
         as standbys; rank 0 is told at once, as plain Horovod does."""
-        standby = standby_table(driver)
+        standby = self.table(driver)
         if driver._host_assignments and (
             current_hosts.count_available_slots() >= driver._min_num_proc
         ):
@@ -92,7 +108,7 @@ class Standby:
         compat.kv_set(driver, driver_kv.READY, slot_key(s), None)
         compat.kv_set(driver, driver_kv.GO, slot_key(s), None)
         with self.lock:
-            standby_table(driver)[slot_key(s)] = s
+            self.table(driver)[slot_key(s)] = s
         self.publish(driver)
         driver._start_worker_process(s)
 
@@ -104,7 +120,7 @@ class Standby:
         if not self.wrapped:
             return
         with self.lock:
-            listed = ",".join(sorted(standby_table(driver)))
+            listed = ",".join(sorted(self.table(driver)))
         compat.kv_set(driver, driver_kv.WARMING, driver_kv.WARMING_KEY,
                       listed.encode() if listed else None)
 
@@ -113,7 +129,7 @@ class Standby:
         request meanwhile, which has no timeout (Horovod waits there for --min-np slots too).
         A standby that dies meanwhile is replaced by a new one, once; after that its slot is
         no longer waited for (it starts cold, and a failure there is Horovod's to handle)."""
-        standby = standby_table(driver)
+        standby = self.table(driver)
         deadline = time.monotonic() + self.ready_timeout_s
         t0 = time.monotonic()
         replaced: set[str] = set()
@@ -144,14 +160,15 @@ class Standby:
     def start_or_release(self, driver: Any, pending_slots: list[Any]) -> None:
         """`_start_worker_processes`: a slot with a standby is released into the new world
         once it is warm; any other slot starts its worker as Horovod would."""
-        standby = standby_table(driver)
-        if self.wrapped and driver.__dict__.get("_hvdr_formed"):
+        kept = self.drivers.of(driver)
+        standby = kept.table
+        if self.wrapped and kept.formed:
             # A reset: a slot nobody started ahead (back from its cooldown, or a standby that
             # died) starts as a standby now, so that its cold start is waited for here too.
             for s in pending_slots:
                 if slot_key(s) not in standby:
                     self.start_standby(driver, s)
-        driver.__dict__["_hvdr_formed"] = True
+        kept.formed = True
         with self.lock:
             warming = {slot_key(s): s for s in pending_slots if slot_key(s) in standby}
         self.wait_until_warm(driver, warming)
@@ -170,7 +187,7 @@ class Standby:
         OOM kill) leaves the table, so that the reset starts its slot afresh, and a failure of
         that fresh worker is a worker failure Horovod handles. Without this the driver would
         release a dead process and the new world would wait for it until the Gloo timeout."""
-        standby = standby_table(driver)
+        standby = self.table(driver)
         with self.lock:
             unreleased = standby.get(slot_key(slot)) is slot
             if unreleased:
@@ -239,7 +256,8 @@ def keeping_ready(init: Callable[..., None]) -> Callable[..., None]:
     return init_keeping_ready
 
 
-def install(ctx: PatchContext) -> None:
+def install(ctx: PatchContext) -> Standby:
+    """Returns the installed patch: what it keeps of each driver can be looked at."""
     from horovod.runner import launch
     from horovod.runner.elastic.driver import ElasticDriver
     from horovod.runner.http.http_server import RendezvousHTTPServer
@@ -253,3 +271,4 @@ def install(ctx: PatchContext) -> None:
     compat.replace(ElasticDriver, "_handle_worker_exit", driver_method(patch.handle_worker_exit))
     compat.replace(launch, "_run_elastic", patch.run_elastic)
     compat.replace(RendezvousHTTPServer, "init", keeping_ready(RendezvousHTTPServer.init))
+    return patch

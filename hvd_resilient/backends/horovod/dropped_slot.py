@@ -1,4 +1,4 @@
-"""A worker whose slot left the job (its host dropped by discovery) exits cleanly.
+"""A worker whose slot the next world drops (its host dropped by discovery) exits cleanly.
 
 Horovod lets such a worker find out inside `hvd.init()`: it joins the rendezvous (the
 driver's barrier counts it), gets rank -1, and its background thread throws "has been
@@ -7,7 +7,7 @@ removed from elastic job" where nothing catches it, so the process dies by SIGAB
 every `finally` of the script (loader workers, an upload in flight).
 
 The driver now writes the next world's slots before it announces a host change
-(`launch/horovod/patches/leaving.py`). A worker resetting for a host change reads them; when
+(`launch/horovod/patches/next_slots.py`). A worker resetting for a host change reads them; when
 its slot is missing it leaves the old world, asks the rendezvous for its place exactly as
 `hvd.init()` would (so the barrier completes as before), and on rank -1 exits with code 0,
 which Horovod ignores for a slot without a rank, as it ignored the abort. Exiting without
