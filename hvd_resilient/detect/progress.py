@@ -19,7 +19,7 @@ The budget adapts to the job: `factor` times the slowest step seen so far, never
 (a fixed `timeout_s` replaces both). Phases that are not steps get their own budget as declared
 sections: the first step (compilation, loader warm-up) and a synchronous checkpoint have long
 ones; waiting for a reset (the driver may wait minutes for hosts) has none. A frozen process
-(SIGSTOP, a paused VM) cannot run this thread at all: its peers detect it (`backends/heartbeat`).
+(SIGSTOP, a paused VM) cannot run this thread at all: its peers detect it (`detect/heartbeat.py`).
 """
 
 from __future__ import annotations
