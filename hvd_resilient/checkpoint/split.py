@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from hvd_resilient.checkpoint.host_buffers import HostBufferPool, pool
+from hvd_resilient.checkpoint.host_buffers import HostBuffer, pool
 from hvd_resilient.checkpoint.serialize import alias_key, from_bytes
 from hvd_resilient.checkpoint.tree import map_leaves
 
@@ -72,6 +72,15 @@ def _dtype(name: str) -> Any:
     return dtype
 
 
+class SnapshotBuffers(Protocol):
+    """Where :func:`split_state` copies a snapshot's parts, and all it needs of it: the
+    process-wide `HostBufferPool`, or the memory tier's slices of one mapped segment file
+    (`checkpoint.memory.segments`)."""
+
+    def take(self, sizes: list[int]) -> Sequence[HostBuffer | memoryview]:
+        """One writable buffer of each size in ``sizes``, in order."""
+
+
 @dataclass
 class _Layout:
     """Where every tensor of a state goes, before anything is copied."""
@@ -83,7 +92,7 @@ class _Layout:
     sizes: list[int] = field(default_factory=list)  # bytes per part
 
 
-def _layout(state: Any, part_bytes: int) -> _Layout:
+def _layout(state: Mapping[str, Any], part_bytes: int) -> _Layout:
     import torch
 
     if part_bytes < 1:
@@ -126,8 +135,8 @@ def _layout(state: Any, part_bytes: int) -> _Layout:
     return out
 
 
-def split_state(state: Any, part_bytes: int = PART_BYTES,
-                buffers: HostBufferPool | None = None) -> dict[str, Any]:
+def split_state(state: Mapping[str, Any], part_bytes: int = PART_BYTES,
+                buffers: SnapshotBuffers | None = None) -> dict[str, Any]:
     """A snapshot of ``state`` as ``{file name: object}`` for
     :meth:`AsyncCheckpointWriter.submit`: parts are byte buffers (stored as they are), the
     index a small object (``torch.save``-d by the writer).
@@ -159,8 +168,8 @@ def split_state(state: Any, part_bytes: int = PART_BYTES,
     return files
 
 
-def warm_buffers(state: Any, part_bytes: int = PART_BYTES,
-                 buffers: HostBufferPool | None = None) -> int:
+def warm_buffers(state: Mapping[str, Any], part_bytes: int = PART_BYTES,
+                 buffers: SnapshotBuffers | None = None) -> int:
     """Fault in, off the training step, the buffers a snapshot of ``state`` will take, and
     leave them in the pool; returns their bytes.
 

@@ -59,7 +59,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DataLoader, default_collate
@@ -69,6 +69,9 @@ from hvd_resilient.config import DataOptions
 from hvd_resilient.data.errors import DataError
 from hvd_resilient.die_with_parent import die_with_parent
 from hvd_resilient.events import EventLog
+
+if TYPE_CHECKING:
+    from hvd_resilient.state.sampler import StepSampler
 
 logger = logging.getLogger(__name__)
 
@@ -397,7 +400,7 @@ class _Plan:
     `next_task` gives them in order; the lookahead (what streamed shards fetch ahead) runs
     further. Used in one thread at a time."""
 
-    def __init__(self, sampler: Any, key: BatchKey, gen: int, counter: Iterator[int],
+    def __init__(self, sampler: StepSampler, key: BatchKey, gen: int, counter: Iterator[int],
                  dataset: Any, readahead: int) -> None:
         self.sampler = sampler
         if hasattr(sampler, "track_ids"):
@@ -521,7 +524,7 @@ class ElasticLoader:
     Use it from one thread: `next_batch(rank, world)` every step, `close()` at the end.
     """
 
-    def __init__(self, dataset: Any, sampler: Any, *, batch_size: int,
+    def __init__(self, dataset: Any, sampler: StepSampler, *, batch_size: int,
                  options: DataOptions | None = None,
                  collate_fn: Callable[[list[Any]], Any] = default_collate,
                  events: EventLog | None = None, seed: int = 0) -> None:

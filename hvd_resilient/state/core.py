@@ -22,7 +22,13 @@ import torch
 from hvd_resilient import event_names as ev
 from hvd_resilient.events import EventLog
 from hvd_resilient.state import rng
-from hvd_resilient.state.agreement import Agreement, Component, agree, digest_tree
+from hvd_resilient.state.agreement import (
+    Agreement,
+    Collectives,
+    Component,
+    agree,
+    digest_tree,
+)
 from hvd_resilient.state.optim import load_optimizer_state
 
 logger = logging.getLogger(__name__)
@@ -120,7 +126,8 @@ class StateCore:
     def epoch(self) -> int:
         """The sampler's epoch; a script that passed ``epoch=`` (Horovod's idiom) owns it."""
         if "epoch" in self._extra_names:
-            return self.__dict__.get("_own_epoch", 0)
+            own: int = self.__dict__.get("_own_epoch", 0)  # what the setter stored
+            return own
         return self.sampler.epoch if self.sampler is not None else 0
 
     @epoch.setter
@@ -176,7 +183,7 @@ class StateCore:
         return any(hasattr(t, "full_tensor") for t in _unwrapped(self.model).state_dict()
                    .values())
 
-    def _agree(self, collectives: Any, *, rider: Any = None,
+    def _agree(self, collectives: Collectives, *, rider: Any = None,
                on_riders: Callable[[list[Any]], None] | None = None) -> Agreement:
         """The verified sync (`state.agreement`), recorded: rank 0 writes a ``sync_check``
         event; every rank whose components needed a second send says so."""
@@ -288,7 +295,8 @@ class StateCore:
 
     def model_state(self) -> dict[str, Any]:
         """The plain model's state dict (what a checkpoint's ``model`` entry must fit)."""
-        return _unwrapped(self.model).state_dict()
+        sd: dict[str, Any] = _unwrapped(self.model).state_dict()
+        return sd
 
 
 def is_stateful(value: Any) -> bool:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -40,6 +40,32 @@ class StepSlice:
 
     indices: list[int]
     global_count: int
+
+
+class StepSampler(Protocol):
+    """The interface both samplers share (module doc): what the trainer's loop and the loader
+    (`hvd_resilient.data.loader`) call on the training state's sampler, so that either one (or a
+    data set's own, `make_sampler`) fits. The tally (`epoch_record`, `track_ids`) is left out:
+    its callers look it up where it exists."""
+
+    epoch: int
+
+    def position(self) -> Hashable:
+        """Equal on two samplers iff their next steps are equal."""
+
+    def next_slice(self, rank: int, world_size: int, batch_size: int) -> StepSlice:
+        """What ``rank`` trains on in the next step; does not advance."""
+
+    def advance(self, global_count: int) -> None:
+        """Moves past the step just planned, ``global_count`` samples of the whole world."""
+
+    def epoch_done(self) -> bool: ...
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None: ...
 
 
 class _IdsTally:

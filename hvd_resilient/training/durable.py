@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any, TypedDict
 
 from hvd_resilient import event_names as ev
@@ -45,7 +46,7 @@ from hvd_resilient.config import TrainConfig
 from hvd_resilient.errors import RESTARTABLE_EXIT_CODE, HvdResilientError, ResumeError
 from hvd_resilient.events import EventLog
 from hvd_resilient.state import rng
-from hvd_resilient.state.core import StateCore
+from hvd_resilient.state.protocol import TrainingState
 from hvd_resilient.training.fault_hooks import before_publish
 from hvd_resilient.training.faults import FaultPlan
 from hvd_resilient.training.memory_tier import Found, MemoryCommits
@@ -99,7 +100,7 @@ class DurableCheckpoints:
     layout = REPLICATED
     """What a save writes (the manifest's ``layout``; a memory-tier resume reports it)."""
 
-    def __init__(self, config: TrainConfig, state: StateCore, events: EventLog,
+    def __init__(self, config: TrainConfig, state: TrainingState, events: EventLog,
                  backend: Backend, *, faults: FaultPlan | None = None,
                  memory_tier: MemoryCommits | None = None) -> None:
         self.config = config
@@ -195,7 +196,7 @@ class DurableCheckpoints:
                               "`hvd-resilient ckpt verify`)")
         logger.info("no checkpoint at %s: starting from scratch", self._url)
 
-    def _load_latest(self) -> Any:
+    def _load_latest(self) -> tuple[CheckpointInfo, dict[str, Any]] | None:
         """`load_latest`, retried while the store is unreachable, up to store_wait_seconds:
         a relaunch often races a store that restarts with it."""
         wait = self.config.checkpoint.store_wait_seconds
@@ -270,7 +271,7 @@ class DurableCheckpoints:
         self._apply(files, info.step, info.world_size)
         return info
 
-    def _apply(self, files: Any, step: int, world_size: int) -> None:
+    def _apply(self, files: Mapping[str, Any], step: int, world_size: int) -> None:
         """Loads checkpoint files into the state, or one line saying why they do not fit."""
         try:  # a manifest that verifies can still hold what this model cannot take
             sd = join_state(files)
@@ -436,7 +437,7 @@ class DurableCheckpoints:
         self._last_save_time = time.time()
         self._save(streams, since=t0, blocking=blocking)
 
-    def _save(self, streams: list[Any], *, since: float, blocking: bool) -> None:
+    def _save(self, streams: list[dict[str, Any]], *, since: float, blocking: bool) -> None:
         """Hook, every rank, once the streams are gathered: hands this step's state to the
         upload (here rank 0's writer); ``since``: when the save began (its stall counts from
         there)."""

@@ -26,7 +26,7 @@ from hvd_resilient.checkpoint.sharded.checkpointer import ShardedCheckpointer
 from hvd_resilient.config import TrainConfig
 from hvd_resilient.errors import RESTARTABLE_EXIT_CODE, HvdResilientError, ResumeError
 from hvd_resilient.events import EventLog
-from hvd_resilient.state.core import StateCore
+from hvd_resilient.state.protocol import TrainingState
 from hvd_resilient.training.durable import DurableCheckpoints
 from hvd_resilient.training.faults import FaultPlan
 from hvd_resilient.training.memory_tier import Found, MemoryCommits
@@ -59,7 +59,7 @@ class ShardedDurableCheckpoints(DurableCheckpoints):
 
     layout = SHARDED
 
-    def __init__(self, config: TrainConfig, state: StateCore, events: EventLog,
+    def __init__(self, config: TrainConfig, state: TrainingState, events: EventLog,
                  backend: Backend, *, faults: FaultPlan | None = None,
                  memory_tier: MemoryCommits | None = None) -> None:
         super().__init__(config, state, events, backend, faults=faults, memory_tier=memory_tier)
@@ -123,7 +123,7 @@ class ShardedDurableCheckpoints(DurableCheckpoints):
     def _in_flight(self) -> bool:
         return self.saver.busy()
 
-    def _save(self, streams: list[Any], *, since: float, blocking: bool) -> None:
+    def _save(self, streams: list[dict[str, Any]], *, since: float, blocking: bool) -> None:
         files: dict[str, Any] = {}
         if self.backend.rank() == 0:
             files[RUN_STATE_FILE] = to_buffer(self.state.run_state(streams))

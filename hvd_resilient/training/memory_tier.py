@@ -29,7 +29,7 @@ import shutil
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +40,7 @@ from hvd_resilient.checkpoint.memory.listing import url_digest
 from hvd_resilient.config import TrainConfig
 from hvd_resilient.events import EventLog
 from hvd_resilient.state import rng
+from hvd_resilient.state.protocol import TrainingState
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class MemoryCommits:
     only, with a ``memory_commit_failed`` event, rather than stall training; the end of the
     run's discard and close, then going ahead with a warning."""
 
-    def __init__(self, config: TrainConfig, state: Any, events: EventLog,
+    def __init__(self, config: TrainConfig, state: TrainingState, events: EventLog,
                  backend: Backend) -> None:
         self.config, self.state, self.events, self.backend = config, state, events, backend
         opts = config.memory_tier
@@ -167,7 +168,9 @@ class MemoryCommits:
             return  # the newest segment already (a commit again after a restore)
         self._write(folder, step, state)
 
-    def _commit_target(self, streams: list[Any]) -> tuple[SegmentDir, Any] | None:
+    def _commit_target(
+        self, streams: list[dict[str, Any]],
+    ) -> tuple[SegmentDir, Mapping[str, Any]] | None:
         """Hook, every rank at each commit: the folder this process writes the commit to and
         the state it writes there (None: none). Here the host's writer writes the whole
         state, and the other processes nothing."""
@@ -175,7 +178,7 @@ class MemoryCommits:
             return None
         return self.dir, self.state.checkpoint_state(streams)
 
-    def _write(self, folder: SegmentDir, step: int, state: Any) -> None:
+    def _write(self, folder: SegmentDir, step: int, state: Mapping[str, Any]) -> None:
         """Inside the step: the copy; then checksums and manifest on the background thread."""
         if not self._idle.wait(self.finish_wait_seconds):  # the previous segment (rarely)
             reason = (f"the previous segment was still being finished after "

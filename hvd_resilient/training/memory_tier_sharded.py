@@ -29,11 +29,11 @@ import os
 import re
 import shutil
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from hvd_resilient import event_names as ev
-from hvd_resilient.checkpoint.memory import SegmentDir, SegmentError
+from hvd_resilient.checkpoint.memory import SegmentDir, SegmentError, SegmentInfo
 from hvd_resilient.checkpoint.memory.listing import subdirs
 from hvd_resilient.checkpoint.split import join_state
 from hvd_resilient.checkpoint.tree import map_leaves
@@ -57,7 +57,8 @@ def local_payload(sharded: dict[str, Any], run_state: dict[str, Any]) -> dict[st
     def leaf(obj: Any, path: tuple[Any, ...]) -> Any:
         if not isinstance(obj, DTensor):
             return obj
-        chunks = obj.__create_chunk_list__()
+        # torch leaves DTensor.__create_chunk_list__ unannotated: list[ChunkStorageMetadata]
+        chunks = obj.__create_chunk_list__()  # type: ignore[no-untyped-call]
         if len(chunks) > 1:
             raise ValueError(f"{'/'.join(map(str, path))}: {len(chunks)} local chunks")
         offsets = list(chunks[0].offsets) if chunks else [0] * obj.dim()
@@ -97,7 +98,8 @@ def assemble(payloads: list[dict[str, Any]]) -> dict[str, Any]:
                                f"{full.numel()} elements")
         return full
 
-    return map_leaves(payloads[0]["state"], leaf)
+    state: dict[str, Any] = map_leaves(payloads[0]["state"], leaf)  # a dict, as each was
+    return state
 
 
 def _at(tree: Any, path: list[Any]) -> Any:
@@ -151,7 +153,9 @@ class ShardedMemoryCommits(MemoryCommits):
         return f"{socket.gethostname()}:{ino}"
 
     # -- writing -------------------------------------------------------------------------------
-    def _commit_target(self, streams: list[Any]) -> tuple[SegmentDir, Any] | None:
+    def _commit_target(
+        self, streams: list[dict[str, Any]],
+    ) -> tuple[SegmentDir, Mapping[str, Any]] | None:
         """Every rank its own shards, into its own folder (collectives: the ring at the first
         commit, and FSDP's state dict, on every rank whether it writes or not)."""
         from hvd_resilient.backends.torchrun import fsdp
@@ -166,7 +170,7 @@ class ShardedMemoryCommits(MemoryCommits):
                                 self.state.run_state(streams))  # on every rank, like FSDP
         return (self.own, payload) if self.usable else None
 
-    def _after_finish(self, info: Any) -> None:
+    def _after_finish(self, info: SegmentInfo) -> None:
         if not isinstance(self._ring, tuple):
             return
         from hvd_resilient.checkpoint.memory.peers import push
@@ -186,7 +190,7 @@ class ShardedMemoryCommits(MemoryCommits):
         if len(hosts) < 2:
             return None
         nxt = hosts[(hosts.index(mine[0]) + 1) % len(hosts)]
-        return tuple(servers[nxt]) if nxt in servers else None  # type: ignore[return-value]
+        return tuple(servers[nxt]) if nxt in servers else None
 
     def _forget_other_sizes(self) -> None:
         """Shards of another world size are dead weight once this size has a commit done."""

@@ -43,6 +43,8 @@ from hvd_resilient.backends.horovod.run import HEARTBEAT_TIMEOUT_S
 from hvd_resilient.backends.horovod.run import run as backend_run
 from hvd_resilient.config import TrainConfig
 from hvd_resilient.launcher_env import RUN_ID_ENV
+from hvd_resilient.state.core import StateCore
+from hvd_resilient.state.protocol import TrainingState
 from hvd_resilient.training.durable import DurableCheckpoints
 from hvd_resilient.training.memory_tier import MemoryCommits
 
@@ -60,7 +62,7 @@ def run(func: Any = None, *, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
                                  progress_timeout_s=progress_timeout_s)
     tiers: list[PortedTiers] = []  # the call in progress's, set by the begin hook
 
-    def body(state: Any, *args: Any, **kwargs: Any) -> Any:
+    def body(state: TrainingState, *args: Any, **kwargs: Any) -> Any:
         result = func(state, *args, **kwargs)
         if tiers:  # inside the attempt: a rank lost during the final save is recovered
             tiers[-1].finish()
@@ -70,7 +72,7 @@ def run(func: Any = None, *, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
                         progress_timeout_s=progress_timeout_s)
 
     @functools.wraps(func)
-    def wrapper(state: Any, *args: Any, **kwargs: Any) -> Any:
+    def wrapper(state: TrainingState, *args: Any, **kwargs: Any) -> Any:
         def begin(loop: backend_ported.PortedLoop) -> None:
             made = PortedTiers.wire(loop)
             if made is not None:
@@ -95,10 +97,13 @@ def explicit_location(cfg: TrainConfig) -> bool:
     return cfg.checkpoint.url != Path(cfg.run_dir, "checkpoints").as_uri()
 
 
-def wired_already(state: Any) -> bool:
+def wired_already(state: StateCore) -> bool:
     """The script built its own `DurableCheckpoints` or `MemoryCommits` over this state (they
-    register their hooks on it at construction; the state keeps them in its hook lists)."""
-    hooks = [*state._after_sync, *state._before_commit]  # every state has both (StateCore)
+    register their hooks on it at construction; the state keeps them in its hook lists).
+
+    A `StateCore`, not a `TrainingState`: the hook lists are the base class's own, which every
+    backend's state is; the protocol registers hooks and never lists them."""
+    hooks = [*state._after_sync, *state._before_commit]
     return any(isinstance(getattr(h, "__self__", None), (DurableCheckpoints, MemoryCommits))
                for h in hooks)
 
@@ -106,7 +111,7 @@ def wired_already(state: Any) -> bool:
 class PortedTiers:
     """The memory tier and durable checkpoints of one ported loop, every rank (module doc)."""
 
-    def __init__(self, cfg: TrainConfig, state: Any) -> None:
+    def __init__(self, cfg: TrainConfig, state: TrainingState) -> None:
         self.cfg, self.state = cfg, state
         backend = backends.get("horovod", fsdp=False, recovery=cfg.recovery,
                                deterministic=cfg.deterministic)  # no init: the script's

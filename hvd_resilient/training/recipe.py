@@ -46,8 +46,10 @@ class Recipe:
         if options.ema_decay:
             from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
+            # torch leaves get_ema_multi_avg_fn unannotated (it returns the averaging function)
+            avg = get_ema_multi_avg_fn(options.ema_decay)  # type: ignore[no-untyped-call]
             self.ema = AveragedModel(getattr(model, "module", model), use_buffers=True,
-                                     multi_avg_fn=get_ema_multi_avg_fn(options.ema_decay))
+                                     multi_avg_fn=avg)
 
     def components(self) -> dict[str, Any]:
         """The state components this recipe adds (passed to the state as extras)."""
@@ -87,7 +89,8 @@ class Recipe:
             set_sync(True)
 
     def backward(self, loss: torch.Tensor) -> None:
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        scaled = self.scaler.scale(loss) if self.scaler is not None else loss
+        scaled.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward bare
 
     def step(self) -> float | None:
         """Unscale, clip, step, update; returns the pre-clip global gradient norm when

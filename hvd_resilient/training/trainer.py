@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 from torch.utils.data import default_collate
@@ -33,7 +33,8 @@ from hvd_resilient.errors import PREEMPTED_EXIT_CODE
 from hvd_resilient.events import EventLog
 from hvd_resilient.launcher_env import FORKED_ENV
 from hvd_resilient.observability import Observer
-from hvd_resilient.state.sampler import ElasticDataSampler
+from hvd_resilient.state.protocol import TrainingState
+from hvd_resilient.state.sampler import ElasticDataSampler, StepSampler
 from hvd_resilient.training import lease, rss
 from hvd_resilient.training.durable import DurableCheckpoints
 from hvd_resilient.training.faults import FaultPlan
@@ -41,6 +42,16 @@ from hvd_resilient.training.memory_tier import MemoryCommits
 from hvd_resilient.training.recipe import Recipe
 
 logger = logging.getLogger(__name__)
+
+
+class TrainerState(TrainingState, Protocol):
+    """The state the trainer makes: a `TrainingState` with the trainer's own extra
+    ``last_loss`` (passed to `make_state`, so committed, restored and checkpointed with the
+    rest). Not a protocol member: a state made elsewhere (a ported script's) has no such
+    attribute."""
+
+    last_loss: float
+
 
 class Preempted(SystemExit):
     def __init__(self) -> None:
@@ -85,7 +96,7 @@ class Trainer:
         *,
         scheduler: Any | None = None,
         collate_fn: Callable[[list[Any]], Any] = default_collate,
-        on_step: Callable[[Any, float], None] | None = None,
+        on_step: Callable[[TrainingState, float], None] | None = None,
         comm: Any | None = None,
         backend: str | backends.Backend | None = None,
     ) -> None:
@@ -131,11 +142,12 @@ class Trainer:
                              reduces_in_backward=backend.reduces_in_backward,
                              device=next(model.parameters()).device)
         sampler = _make_sampler(self.data, cfg)
-        state = backend.make_state(
+        # A TrainingState, and a TrainerState since `last_loss` is among its extras
+        state = cast(TrainerState, backend.make_state(
             model, optimizer, sampler=sampler, scheduler=self.scheduler, seed=cfg.seed,
             lr_scaling=cfg.lr_scaling, events=events, last_loss=math.nan,
             **self.recipe.components(),
-        )
+        ))
         self._faults = FaultPlan.parse(cfg.fault, cfg.run_dir)
         commits = _memory_class(cfg.fsdp)(cfg, state, events, backend)
         durable = _durable_class(cfg.fsdp)(cfg, state, events, backend, faults=self._faults,
@@ -165,7 +177,7 @@ class Trainer:
                                    events_path=events.path, run_id=cfg.run_id,
                                    waiting=dog.waiting_for_peers)
 
-        def train(state: Any) -> None:
+        def train(state: TrainerState) -> None:
             self._loop(state, durable, preempt)
             with dog.section("final checkpoint", None):  # an upload takes what it takes
                 durable.finish()
@@ -192,7 +204,8 @@ class Trainer:
         return FitResult(state.step, state.epoch, float(state.last_loss), backend.size(),
                          backend.rank())
 
-    def _watch_memory(self, state: Any, events: EventLog, backend: Any) -> None:
+    def _watch_memory(self, state: TrainingState, events: EventLog,
+                      backend: backends.Backend) -> None:
         watch = rss.GrowthWatch()
 
         def after_reset() -> None:
@@ -205,7 +218,8 @@ class Trainer:
 
         state.after_reset(after_reset)  # never under torchrun: a restart is a new process
 
-    def _report_progress(self, state: Any, durable: DurableCheckpoints, rate: float) -> None:
+    def _report_progress(self, state: TrainerState, durable: DurableCheckpoints,
+                         rate: float) -> None:
         """Every rank records its memory; rank 0 records and shows progress."""
         m = rss.sample()
         state.events.emit(ev.MEMORY, **m)
@@ -223,15 +237,16 @@ class Trainer:
             logger.info(line)
 
     # -- the loop ------------------------------------------------------------------------
-    def _finished(self, state: Any) -> bool:
+    def _finished(self, state: TrainingState) -> bool:
         cfg = self.config
         if cfg.max_steps and state.step >= cfg.max_steps:
             return True
         return state.epoch >= cfg.epochs
 
-    def _loop(self, state: Any, durable: DurableCheckpoints, preempt: list[int]) -> None:
+    def _loop(self, state: TrainerState, durable: DurableCheckpoints,
+              preempt: list[int]) -> None:
         cfg = self.config
-        sampler = state.sampler
+        sampler: StepSampler = state.sampler  # the one `fit` made
         t_log, steps_since_log = time.time(), 0
         while not self._finished(state):
             if sampler.epoch_done():
@@ -273,7 +288,7 @@ class Trainer:
         if sampler.epoch_done():  # max_steps reached at an epoch's last step
             self._epoch_end(state)
 
-    def _epoch_end(self, state: Any) -> None:
+    def _epoch_end(self, state: TrainingState) -> None:
         """Rank 0 records what the epoch consumed, all ranks and every reset together, beside
         what the data set expects (`epoch_end`; `hvd-resilient report` checks it). Every rank
         holds the same tally (it is committed and synced with the sampler), so one writes it.
@@ -283,7 +298,7 @@ class Trainer:
         if record is not None and self.backend.rank() == 0:
             state.events.emit(ev.EPOCH_END, **record())
 
-    def _micro_batches(self, sampler: Any, rank: int, size: int) -> list[LoadedBatch]:
+    def _micro_batches(self, sampler: StepSampler, rank: int, size: int) -> list[LoadedBatch]:
         """The step's micro-batches, each advancing the sampler (so the loader plans the next
         one and a commit after the step covers them all); fewer at the epoch's end."""
         out = []
@@ -334,7 +349,7 @@ class Trainer:
             return losses[0][0] if losses else None
         return sum(v * n for v, n in losses) / sum(n for _, n in losses)
 
-    def _stop_for_preemption(self, state: Any, durable: DurableCheckpoints) -> None:
+    def _stop_for_preemption(self, state: TrainingState, durable: DurableCheckpoints) -> None:
         t0 = time.time()
         state.commit()
         grace = self.config.checkpoint.grace_seconds
@@ -352,11 +367,12 @@ class Trainer:
         raise Preempted()
 
 
-def _make_sampler(data: Any, cfg: TrainConfig) -> Any:
+def _make_sampler(data: Any, cfg: TrainConfig) -> StepSampler:
     """Streamed shards bring their own sampler (whole shards per rank); anything else with a
     length gets the map-style one."""
     if hasattr(data, "make_sampler"):
-        return data.make_sampler(shuffle=cfg.shuffle, seed=cfg.seed)
+        made: StepSampler = data.make_sampler(shuffle=cfg.shuffle, seed=cfg.seed)
+        return made
     return ElasticDataSampler(len(data), shuffle=cfg.shuffle, seed=cfg.seed)
 
 

@@ -26,7 +26,7 @@ import re
 import shutil
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -212,7 +212,7 @@ class SegmentDir:
         return info, files_from(info, raw[".data"], raw[".index"])
 
     # -- writing ----------------------------------------------------------------------------
-    def begin(self, step: int, state: Any, meta: dict[str, Any]) -> Pending:
+    def begin(self, step: int, state: Mapping[str, Any], meta: dict[str, Any]) -> Pending:
         """Inside the step: copies ``state``'s tensors into a data file (the one copy).
 
         Raises:
@@ -224,7 +224,7 @@ class SegmentDir:
         t0 = time.perf_counter()
         os.makedirs(self.path, exist_ok=True)
         bufs = _FileBuffers(lambda size: self._prepare(step, size))
-        files = split_state(state, buffers=bufs)  # type: ignore[arg-type]
+        files = split_state(state, buffers=bufs)
         return Pending(step, meta, files, bufs, time.perf_counter() - t0)
 
     def finish(self, pending: Pending) -> SegmentInfo:
