@@ -53,7 +53,7 @@ def bench_store(url: str, model: Any, opt: Any, rank: int, world: int, group: An
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from hvd_resilient.backends.torchrun import fsdp
+    from hvd_resilient.backends.torchdist import fsdp
     from hvd_resilient.checkpoint import CheckpointManager, to_buffer
     from hvd_resilient.checkpoint.sharded.checkpointer import ShardedCheckpointer
 
@@ -108,7 +108,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace,
            urls: dict[str, str], out: str) -> None:
     import torch.distributed as dist
 
-    from hvd_resilient.backends.torchrun import fsdp
+    from hvd_resilient.backends.torchdist import fsdp
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,

@@ -179,7 +179,7 @@ def reattach(store: Any) -> dict[str, Any]:
         from torch.utils._pytree import tree_map_only
 
         from hvd_resilient.backends.inplace.fsdp import Resharded
-        from hvd_resilient.backends.torchrun import fsdp
+        from hvd_resilient.backends.torchdist import fsdp
 
         form(store, 2002, 0, 1, 30)
         model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))

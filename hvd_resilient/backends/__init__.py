@@ -1,9 +1,11 @@
 """The collective layer under the trainer: Horovod (elastic or MPI), torch.distributed under
-torchrun, or torch.distributed in place (generations under the in-place agent).
+torchrun, or torch.distributed in place (generations under the in-place agent); the last two
+build on the torch.distributed base in `torchdist/`.
 
 `detect()` reads which launcher started this process; the trainer and the durable checkpoints
-talk to whichever backend through the small interface in `base.py`. Every backend's `run`
-goes through the one recovery loop in `recovery.py`, filling its `World`.
+talk to whichever backend through the small interface in `base.py`, and ask a backend's class
+what it can do (`Backend.supports_fsdp`), never its name. Every backend's `run` goes through
+the one recovery loop in `recovery.py`, filling its `World`.
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ def _horovod(*, fsdp: bool, recovery: RecoveryOptions, deterministic: bool) -> B
 
 
 def _torchrun(*, fsdp: bool, recovery: RecoveryOptions, deterministic: bool) -> Backend:
-    from hvd_resilient.backends.torchrun.backend import TorchDistBackend
+    from hvd_resilient.backends.torchrun.backend import TorchrunBackend
 
-    return TorchDistBackend(fsdp=fsdp, pg_timeout_seconds=recovery.pg_timeout_seconds,
-                            heartbeat_timeout_s=recovery.heartbeat_timeout_seconds,
-                            deterministic=deterministic)
+    return TorchrunBackend(fsdp=fsdp, pg_timeout_seconds=recovery.pg_timeout_seconds,
+                           heartbeat_timeout_s=recovery.heartbeat_timeout_seconds,
+                           deterministic=deterministic)
 
 
 def _inplace(*, fsdp: bool, recovery: RecoveryOptions, deterministic: bool) -> Backend:
@@ -77,10 +79,11 @@ def detect(env: Mapping[str, str] = os.environ) -> str:
 def get(name: str | Backend | None = None, *, fsdp: bool = False,
         recovery: RecoveryOptions | None = None, deterministic: bool = False) -> Backend:
     """The backend called ``name`` (default: the launcher's), or ``name`` itself when it is a
-    backend instance. ``fsdp`` shards the model (torchrun, inplace: asking for it on Horovod is a
-    ConfigError, before anything starts); ``recovery`` carries the detection settings
-    (timeouts, heartbeats) from the config; ``deterministic`` reduces gradients in a fixed
-    order (a backend instance must have been built with it: it is never switched on later)."""
+    backend instance. ``fsdp`` shards the model (a backend whose class declares
+    `Backend.supports_fsdp`: asking for it on Horovod is a ConfigError, before anything
+    starts); ``recovery`` carries the detection settings (timeouts, heartbeats) from the
+    config; ``deterministic`` reduces gradients in a fixed order (a backend instance must have
+    been built with it: it is never switched on later)."""
     if isinstance(name, Backend):
         if deterministic and not name.deterministic:
             raise ConfigError(f"--deterministic: the {name.name} backend passed in was built "
@@ -90,11 +93,24 @@ def get(name: str | Backend | None = None, *, fsdp: bool = False,
     name = name or detect()
     if name not in _REGISTRY:
         raise ConfigError(f"backend must be one of {', '.join(_REGISTRY)}, got {name!r}")
-    if fsdp and name in ("horovod", "torchrun"):
-        from hvd_resilient.backends.torchrun.fsdp import require_torchrun
+    try:
+        backend = _REGISTRY[name](fsdp=fsdp, recovery=recovery, deterministic=deterministic)
+    except ModuleNotFoundError:
+        if fsdp:  # Horovod not installed: the class cannot be asked, and FSDP is the mistake
+            raise ConfigError(_no_fsdp(name)) from None
+        raise
+    if fsdp and not backend.supports_fsdp:
+        raise ConfigError(_no_fsdp(backend.name))
+    return backend
 
-        require_torchrun(name)
-    return _REGISTRY[name](fsdp=fsdp, recovery=recovery, deterministic=deterministic)
+
+def _no_fsdp(backend: str) -> str:
+    """FSDP needs torch.distributed's collectives and DTensors; Horovod (horovodrun, mpirun)
+    only averages replicated gradients, so the combination is refused in one line, after the
+    backend is built (nothing joined yet) and before anything starts."""
+    return (f"config: fsdp needs the torchrun or inplace backend, this job runs on {backend} "
+            "(launch it with torchrun or `hvd-resilient run --launcher torchrun|inplace`, or "
+            "drop --fsdp / HVD_RESILIENT_FSDP)")
 
 
 __all__ = ["Backend", "NAMES", "detect", "get", "names", "register"]

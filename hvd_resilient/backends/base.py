@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the launcher side imports this package without torch
+    import torch
+    from torch import nn
+
+    from hvd_resilient.state.protocol import TrainingState
 
 
 class Backend(abc.ABC):
@@ -16,6 +22,11 @@ class Backend(abc.ABC):
     """True when backward() itself waits for the gradient allreduce (DDP, FSDP); False when
     it only starts it and optimizer.step() waits (Horovod). Tells the progress watchdog where
     a rank waits for its peers."""
+    supports_fsdp: bool = False
+    """True when the backend can shard the model with FSDP2 (`fsdp=True`): it needs
+    torch.distributed's collectives and DTensors (`backends.torchdist`); Horovod only averages
+    replicated gradients. `backends.get` refuses ``fsdp`` on a backend without it, before
+    anything starts."""
     deterministic: bool = False
     """Reduce gradients in a fixed order and use deterministic local math (docs/
     determinism.md): given to the constructor (`backends.get(..., deterministic=)`, from
@@ -34,7 +45,9 @@ class Backend(abc.ABC):
     peers can reach it on. None: the backend does not know one."""
 
     @abc.abstractmethod
-    def init(self, comm: Any | None = None) -> None: ...
+    def init(self, comm: Any | None = None) -> None:
+        """Joins the world; ``comm``: an mpi4py communicator to train on (Horovod under
+        mpirun), ignored by the other backends."""
 
     @abc.abstractmethod
     def rank(self) -> int: ...
@@ -46,19 +59,26 @@ class Backend(abc.ABC):
     def local_size(self) -> int: ...
 
     @abc.abstractmethod
-    def wrap(self, model: Any, optimizer: Any, *, accumulation: int = 1) -> tuple[Any, Any]:
+    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+             accumulation: int = 1) -> tuple[nn.Module, torch.optim.Optimizer]:
         """The model and optimizer that average gradients across ranks, once every
         `accumulation` backward passes (`training.recipe` tells DDP/FSDP which ones)."""
 
     @abc.abstractmethod
-    def make_state(self, model: Any, optimizer: Any, **kwargs: Any) -> Any: ...
+    def make_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                   **kwargs: Any) -> Any:
+        """The backend's training state over the wrapped model and optimizer; ``kwargs``: the
+        sampler, the scheduler, the seed and the extras. A `TrainingState` (and a
+        `state.core.StateCore`, which the tiers take); typed by each backend, Any here since
+        the trainer also reads the extras it passed (``last_loss``) as attributes."""
 
     @abc.abstractmethod
-    def run(self, fn: Callable[[Any], None], state: Any) -> None:
+    def run(self, fn: Callable[[TrainingState], None], state: TrainingState) -> None:
         """Runs the training function, recovering in memory where the backend can."""
 
     @abc.abstractmethod
-    def allgather_object(self, obj: Any) -> list[Any]: ...
+    def allgather_object(self, obj: object) -> list[Any]:
+        """Every rank's ``obj`` (picklable), by rank (a collective)."""
 
     @abc.abstractmethod
     def any_rank(self, flag: bool) -> bool:

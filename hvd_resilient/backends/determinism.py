@@ -137,7 +137,7 @@ class OrderedReduction:
         works = []
         for flat in flats:
             flat.div_(world)
-            for piece in flat.split(CHUNK_ELEMENTS):
+            for piece in torch.split(flat, CHUNK_ELEMENTS):
                 works.append(dist.all_reduce(piece, group=group, async_op=True).get_future())
 
         def done(all_done: Any) -> None:
@@ -159,7 +159,7 @@ class OrderedReduction:
         torch.futures.collect_all(works).then(done)
 
 
-def ordered_ddp_hook(state, bucket):
+def ordered_ddp_hook(state, bucket):  # type: ignore[no-untyped-def]  # see the docstring
     """A DDP communication hook: DDP's buckets are only collected; when the last one of a
     backward pass comes, all gradients are averaged as one flat buffer laid out in parameter
     order (in fixed pieces of CHUNK_ELEMENTS), so an element's summation order never depends

@@ -38,6 +38,7 @@ from hvd_resilient.detect import Detectors, gloo_watch, hangup, progress
 from hvd_resilient.detect.gloo_watch import GlooWatch
 from hvd_resilient.detect.silent_peers import SilentPeers
 from hvd_resilient.errors import HUNG_EXIT_CODE, HvdResilientError, exit_now, one_line
+from hvd_resilient.state.protocol import TrainingState
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -101,10 +102,11 @@ class World(Protocol):
     def machine(self) -> str:
         """This worker's machine, riding with its detector offers (`armed` counts by it)."""
 
-    def allgather(self, obj: Any) -> list[Any]:
+    def allgather(self, obj: object) -> list[Any]:
         """Every rank's `obj`, by rank (a collective)."""
 
-    def sync(self, state: Any, rider: Any, arm: Callable[[list[Any]], None]) -> None:
+    def sync(self, state: TrainingState, rider: object,
+             arm: Callable[[list[Any]], None]) -> None:
         """Makes every rank's state rank 0's; `arm` gets every rank's `rider` before any state
         is sent, so the detectors watch the sync itself (a world may let the rider travel in
         the sync's own first allgather)."""
@@ -139,7 +141,7 @@ class World(Protocol):
     def form(self, fault: Fault) -> None:
         """Joins the next world that holds this worker; raises `Evicted` when none does."""
 
-    def rejoined(self, state: Any) -> None:
+    def rejoined(self, state: TrainingState) -> None:
         """The state's own reset into the new world (or a note to run it at the next sync)."""
 
     def finish(self) -> None:
@@ -182,11 +184,11 @@ class FormOnce:
     def form(self, fault: Fault) -> None:
         raise AssertionError("a world formed once is not re-formed")
 
-    def rejoined(self, state: Any) -> None:
+    def rejoined(self, state: TrainingState) -> None:
         raise AssertionError("a world formed once is not re-formed")
 
 
-def run(world: World, state: Any, train: Callable[[], T]) -> T:
+def run(world: World, state: TrainingState, train: Callable[[], T]) -> T:
     """Trains in `world` until `train` returns; recovers from every fault `world.classify`
     recognises, raises anything else. The detectors are disarmed however it ends."""
     return _Loop(world, state).run(train)
@@ -199,7 +201,7 @@ def resources() -> dict[str, int]:
 
 
 class _Loop:
-    def __init__(self, world: World, state: Any) -> None:
+    def __init__(self, world: World, state: TrainingState) -> None:
         self.world, self.state = world, state
         self.failed_in_a_row = 0
         self.last_commit = getattr(state, "last_commit_step", None)

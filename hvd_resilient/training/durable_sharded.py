@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from hvd_resilient.backends.base import Backend
-from hvd_resilient.backends.torchrun import fsdp
+from hvd_resilient.backends.torchdist import fsdp
 from hvd_resilient.checkpoint.errors import CheckpointError
 from hvd_resilient.checkpoint.manifest import SHARDED, CheckpointInfo
 from hvd_resilient.checkpoint.serialize import from_bytes, to_buffer
@@ -64,7 +64,7 @@ class ShardedDurableCheckpoints(DurableCheckpoints):
                  memory_tier: MemoryCommits | None = None) -> None:
         super().__init__(config, state, events, backend, faults=faults, memory_tier=memory_tier)
         self.saver = self._new_saver()
-        if getattr(state.model, "holds_sharded_module", False):  # in place: `_reload`
+        if fsdp.holds_sharded_module(state.model):  # in place: `_reload`
             state.after_reset(self._reload)
 
     def _new_saver(self) -> ShardedCheckpointer:

@@ -158,7 +158,7 @@ class ShardedMemoryCommits(MemoryCommits):
     ) -> tuple[SegmentDir, Mapping[str, Any]] | None:
         """Every rank its own shards, into its own folder (collectives: the ring at the first
         commit, and FSDP's state dict, on every rank whether it writes or not)."""
-        from hvd_resilient.backends.torchrun import fsdp
+        from hvd_resilient.backends.torchdist import fsdp
 
         if self._ring is False:
             self._ring = self._next_host()

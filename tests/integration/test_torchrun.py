@@ -102,11 +102,11 @@ def test_torchrun_warm_forks_workers_with_imports_done(tmp_path, jobs, fork):
 RELEASE_PROBE = """
 import atexit, os, sys, types
 import torch.distributed as dist
-from hvd_resilient.backends.torchrun.backend import TorchDistBackend
+from hvd_resilient.backends.torchrun.backend import TorchrunBackend
 
 # Registered first, so it runs last of the exit hooks: what teardown will find.
 atexit.register(lambda: os.write(1, f"groups at exit: {dist.is_initialized()}\\n".encode()))
-backend = TorchDistBackend(heartbeat_timeout_s=float(sys.argv[1]))
+backend = TorchrunBackend(heartbeat_timeout_s=float(sys.argv[1]))
 backend.init()
 events = types.SimpleNamespace(emit=lambda *a, **k: None)
 state = types.SimpleNamespace(events=events, sync=lambda: None)

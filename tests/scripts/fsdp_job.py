@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hvd_resilient.backends.torchrun import fsdp
+from hvd_resilient.backends.torchdist import fsdp
 from hvd_resilient.cli_errors import exit_on_error
 from hvd_resilient.config import TrainConfig
 from hvd_resilient.training.durable_sharded import ShardedDurableCheckpoints

@@ -37,7 +37,7 @@ def main(kind: str, out_path: str) -> None:
     else:
         import torch.distributed as dist
 
-        from hvd_resilient.backends.torchrun.collectives import TorchDistCollectives
+        from hvd_resilient.backends.torchdist.collectives import TorchDistCollectives
 
         dist.init_process_group("gloo")
         rank, gather = dist.get_rank(), TorchDistCollectives().allgather_object
@@ -70,7 +70,7 @@ def main(kind: str, out_path: str) -> None:
 
             state = ElasticState(model, opt, scheduler=sched, scaler=scaler, ema=ema)
         else:
-            from hvd_resilient.backends.torchrun.collectives import TorchDistCollectives
+            from hvd_resilient.backends.torchdist.collectives import TorchDistCollectives
             from hvd_resilient.backends.torchrun.state import TorchrunState
 
             state = TorchrunState(model, opt, rank=dist.get_rank, size=dist.get_world_size,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from torch import nn
 
 from hvd_resilient.backends.inplace.fsdp import _meta_copy
-from hvd_resilient.backends.torchrun.fsdp import _tied_together, _units
+from hvd_resilient.backends.torchdist.fsdp import _tied_together, _units
 from tests.support.recipes import RecipeModel
 
 

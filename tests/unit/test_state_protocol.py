@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hvd_resilient.backends.inplace.state import InPlaceState
-from hvd_resilient.backends.torchrun.collectives import TorchDistCollectives
+from hvd_resilient.backends.torchdist.collectives import TorchDistCollectives
 from hvd_resilient.backends.torchrun.state import TorchrunState
 from hvd_resilient.state.protocol import TrainingState
 from hvd_resilient.state.sampler import ElasticDataSampler

@@ -7,4 +7,7 @@ silent, and publishes the next generation. On a fault the survivors give their c
 (the hang-up reaches every peer at once), drop the old group locally, restore their last
 in-memory commit, form the next generation's group and go on after a verified sync: nothing
 is restarted, nothing reloaded from a store.
+
+What is not the generations' own (the collectives, the state's and the world's base, FSDP2)
+is the torch.distributed base's, `backends.torchdist`.
 """

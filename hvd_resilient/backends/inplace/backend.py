@@ -13,7 +13,6 @@ says how a generation is left and entered.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import socket
 import time
@@ -22,21 +21,23 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from hvd_resilient import event_names as ev
 from hvd_resilient.backends import determinism, recovery
-from hvd_resilient.backends.base import Backend
 from hvd_resilient.backends.inplace.busy import BusyReporter
 from hvd_resilient.backends.inplace.grads import GradientAverager
 from hvd_resilient.backends.inplace.membership import Fenced, Membership
 from hvd_resilient.backends.inplace.state import GenerationChanged, InPlaceState
-from hvd_resilient.backends.torchrun.backend import TorchDistWorld
-from hvd_resilient.backends.torchrun.collectives import TorchDistCollectives
+from hvd_resilient.backends.torchdist.backend import TorchDistBackend
+from hvd_resilient.backends.torchdist.collectives import TorchDistCollectives
+from hvd_resilient.backends.torchdist.world import TorchDistWorld
 from hvd_resilient.detect import Detectors, progress
 from hvd_resilient.detect.gloo_watch import GlooWatch
 from hvd_resilient.detect.heartbeat import Peer
 from hvd_resilient.detect.silent_peers import SilentPeers
 from hvd_resilient.errors import ConfigError
+from hvd_resilient.state.protocol import TrainingState
 
 logger = logging.getLogger(__name__)
 MAX_FAILED_GENERATIONS = 5
@@ -74,9 +75,10 @@ class _Generations(TorchDistWorld):
     the agent publishes; a fault or a join moves every member to the next one."""
 
     failure_budget = MAX_FAILED_GENERATIONS
+    backend: InPlaceBackend
 
-    def __init__(self, backend: InPlaceBackend, m: Membership, state: Any) -> None:
-        self.backend, self.m = backend, m
+    def __init__(self, backend: InPlaceBackend, m: Membership, state: InPlaceState) -> None:
+        self.backend, self.m, self.state = backend, m, state
         self.reset_pending = False
         """A new generation's state hooks (`reset_done`) are still to run: at the sync, where
         the detectors watch their collectives."""
@@ -89,10 +91,11 @@ class _Generations(TorchDistWorld):
     def generation(self) -> int | None:
         return self.m.generation
 
-    def sync(self, state: Any, rider: Any, arm: Callable[[list[Any]], None]) -> None:
+    def sync(self, state: TrainingState, rider: object,
+             arm: Callable[[list[Any]], None]) -> None:
         arm(self.allgather(rider))
         if self.reset_pending:  # watched: the hooks' collectives (fsdp's reload) fail fast
-            state.reset_done()  # on a lost peer
+            self.state.reset_done()  # on a lost peer (the state the loop syncs)
             self.reset_pending = False
         state.sync()
 
@@ -134,14 +137,14 @@ class _Generations(TorchDistWorld):
         except Fenced as e:
             raise recovery.Evicted(str(e)) from e
 
-    def rejoined(self, state: Any) -> None:
+    def rejoined(self, state: TrainingState) -> None:
         self.reset_pending = True  # the after-reset hooks run watched, at the next sync
 
     def finish(self) -> None:
         dist.barrier()
 
 
-class InPlaceBackend(Backend):
+class InPlaceBackend(TorchDistBackend):
     name = "inplace"
     resume_on_every_rank = False  # rank 0 reads the durable checkpoint, the sync spreads it
     reduces_in_backward = False  # the gradients are averaged at optimizer.step() (grads.py)
@@ -150,18 +153,16 @@ class InPlaceBackend(Backend):
                  generation_timeout_s: float = 120.0, *, deterministic: bool = False,
                  fsdp: bool = False, pg_backend: str = "gloo",
                  reconfigure: bool = False) -> None:
-        self.deterministic = deterministic
+        super().__init__(fsdp=fsdp, pg_timeout_seconds=pg_timeout_seconds,
+                         heartbeat_timeout_s=heartbeat_timeout_s, deterministic=deterministic)
         self.pg_backend, self.reconfigure = pg_backend, reconfigure
         """The groups' torch backend, and whether one group is reconfigured per generation
         (`inplace.reconfigure`) instead of a new one formed: the DDP adapter
         (`inplace.ddp`) asks for the latter where torch has it."""
-        self.fsdp = fsdp
-        """Shard the model (FSDP2), re-sharded at every generation (`inplace.fsdp`): FSDP
-        reduces in backward, and every rank loads its shards at a (re)start, as on torchrun."""
+        # fsdp: the model is re-sharded at every generation (`inplace.fsdp`); FSDP reduces in
+        # backward, and every rank loads its shards at a (re)start, as on torchrun
         if fsdp:
             self.reduces_in_backward = self.resume_on_every_rank = True
-        self.pg_timeout = datetime.timedelta(seconds=pg_timeout_seconds)
-        self.heartbeat_timeout_s = heartbeat_timeout_s
         self.generation_timeout_s = generation_timeout_s
         self.membership: Membership | None = None
         self.collectives = TorchDistCollectives()
@@ -203,17 +204,19 @@ class InPlaceBackend(Backend):
         writer) until it is a member."""
         return self.membership is not None and not dist.is_initialized()
 
-    def wrap(self, model: Any, optimizer: Any, *, accumulation: int = 1) -> tuple[Any, Any]:
+    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+             accumulation: int = 1) -> tuple[nn.Module, torch.optim.Optimizer]:
         """The model as it is (its parameters are made equal by every sync), the optimizer
         averaging gradients at each step; with fsdp, the model sharded in its holder."""
         if self.fsdp:
             from hvd_resilient.backends.inplace.fsdp import Resharded
 
-            return Resharded(model, optimizer, torch.device("cpu")), optimizer
+            return Resharded(model, optimizer, self.device), optimizer
         GradientAverager(optimizer)
         return model, optimizer
 
-    def make_state(self, model: Any, optimizer: Any, **kwargs: Any) -> Any:
+    def make_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                   **kwargs: Any) -> InPlaceState:
         return InPlaceState(model, optimizer, rank=self.rank, size=self.size,
                             collectives=self.collectives,
                             generation_changed=self._generation_changed, **kwargs)
@@ -229,9 +232,12 @@ class InPlaceBackend(Backend):
         dist.broadcast(flag, src=0)
         return bool(flag.item())
 
-    def run(self, fn: Callable[[Any], None], state: Any) -> None:
+    def run(self, fn: Callable[[TrainingState], None], state: TrainingState) -> None:
         m = self.membership
         assert m is not None, "init() first"
+        if not isinstance(state, InPlaceState):  # its generations run the state's reset hooks
+            raise TypeError(f"the inplace backend runs the state its make_state() builds, not "
+                            f"{type(state).__name__}")
         if self.joining:  # a latecomer, set up: up and waiting now, so the
             m.announce()  # members' stall at its join is the formation and the sync only
             with progress.section("standing by", None):  # a standby: the whole run, maybe
@@ -245,16 +251,3 @@ class InPlaceBackend(Backend):
             recovery.run(_Generations(self, m, state), state, lambda: fn(state))
         finally:
             busy.stop()
-
-    def allgather_object(self, obj: Any) -> list[Any]:
-        return self.collectives.allgather_object(obj)
-
-    def any_rank(self, flag: bool) -> bool:
-        t = torch.tensor([1.0 if flag else 0.0])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item() > 0)
-
-    def shutdown(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 
-import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore
 
 from hvd_resilient.backends.inplace.membership import (
     BUSY_EVERY_S,
@@ -39,7 +39,7 @@ class BusyReporter:
         self.store_timeout_s = store_timeout_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._store: dist.PrefixStore | None = None
+        self._store: PrefixStore | None = None
 
     def start(self) -> BusyReporter:
         # Connected now, not at the first section: a connection opened at some later reset
@@ -56,9 +56,9 @@ class BusyReporter:
         if self._thread is not None:
             self._thread.join(timeout=2 * self.every_s + 1)
 
-    def _connect(self) -> dist.PrefixStore | None:
+    def _connect(self) -> PrefixStore | None:
         try:
-            return dist.PrefixStore(PREFIX, agent_store(dict(os.environ), self.store_timeout_s))
+            return PrefixStore(PREFIX, agent_store(dict(os.environ), self.store_timeout_s))
         except Exception:  # noqa: BLE001 - the agent gone: the job ends anyway
             return None
 

@@ -30,7 +30,7 @@ from torch.utils.data.distributed import DistributedSampler
 from hvd_resilient import event_names as ev
 from hvd_resilient.backends.inplace.backend import InPlaceBackend
 from hvd_resilient.backends.inplace.state import InPlaceState
-from hvd_resilient.backends.torchrun.collectives import TorchDistCollectives
+from hvd_resilient.backends.torchdist.collectives import TorchDistCollectives
 from hvd_resilient.events import EventLog
 
 logger = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ TORCHRUN_ENVS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_
 running workers), the session sets them at every generation."""
 
 
-def replan(sampler: DistributedSampler, rank: int, size: int) -> None:
+def replan(sampler: DistributedSampler[Any], rank: int, size: int) -> None:
     """``sampler`` as `DistributedSampler(dataset)` would be built in this generation: its
     rank, its number of replicas and its share (`__init__`'s arithmetic, torch 2.13). Its
     epoch and seed are kept: the ranks' orders stay one permutation, split anew."""
@@ -91,7 +91,7 @@ class DDPSession:
         world = dist.group.WORLD
         rank, size = dist.get_rank(), dist.get_world_size()
         for ddp in state.ddp_models:
-            ddp._update_process_group(world)
+            ddp._update_process_group(world)  # type: ignore[no-untyped-call]  # torch's own
         for sampler in state.samplers:
             replan(sampler, rank, size)
         set_torchrun_env(rank, size)

@@ -20,7 +20,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from hvd_resilient.backends.torchrun import fsdp
+from hvd_resilient.backends.torchdist import fsdp
 
 
 def _meta_copy(model: nn.Module) -> nn.Module:
@@ -46,14 +46,13 @@ def _release(module: nn.Module) -> None:
             local.untyped_storage().resize_(0)
 
 
-class Resharded(nn.Module):
-    """The trainer's model under the in-place backend with ``--fsdp``; forwards to ``module``.
+class Resharded(fsdp.ShardedHolder):
+    """The trainer's model under the in-place backend with ``--fsdp``; forwards to ``module``
+    (the `fsdp.ShardedHolder` interface: what the tiers and the state ask for).
 
     Its state dict is the sharded module's (no ``module.`` prefix), so checkpoints are the ones
     torchrun's FSDP writes and either backend resumes the other's.
     """
-
-    holds_sharded_module = True
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                  device: torch.device) -> None:

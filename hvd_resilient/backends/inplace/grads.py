@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch._C._nn import flatten_dense_tensors, unflatten_dense_tensors
 
 from hvd_resilient.errors import ConfigError
 
@@ -48,10 +48,10 @@ class GradientAverager:
             by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
         if size > 1:
             for grads in by_dtype.values():
-                flat = _flatten_dense_tensors(grads)
+                flat = flatten_dense_tensors(grads)
                 dist.all_reduce(flat)
                 flat.div_(size)
-                for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads),
+                for g, reduced in zip(grads, unflatten_dense_tensors(flat, grads),
                                       strict=True):
                     g.copy_(reduced)
 

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 from hvd_resilient.backends import INPLACE_AGENT_ENV
 from hvd_resilient.backends.inplace import reconfigure
@@ -98,10 +99,10 @@ def agent_address(env: Mapping[str, str]) -> tuple[str, int]:
     return host, int(port)
 
 
-def agent_store(env: Mapping[str, str], timeout_s: float) -> dist.TCPStore:
+def agent_store(env: Mapping[str, str], timeout_s: float) -> TCPStore:
     """A connection to the agent's store (its keys are under `PREFIX`)."""
-    return dist.TCPStore(*agent_address(env), is_master=False,
-                         timeout=datetime.timedelta(seconds=timeout_s))
+    return TCPStore(*agent_address(env), is_master=False,
+                    timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def newest_place(env: Mapping[str, str], timeout_s: float) -> tuple[int | None, int]:
@@ -116,7 +117,7 @@ def newest_place(env: Mapping[str, str], timeout_s: float) -> tuple[int | None, 
         KeyError, ValueError: ``env`` names no agent or member.
     """
     me = int(env[MEMBER_ENV])
-    store = dist.PrefixStore(PREFIX, agent_store(env, timeout_s))
+    store = PrefixStore(PREFIX, agent_store(env, timeout_s))
     members = json.loads(store.get(gen_key(int(store.get("gen")))))
     return (members.index(me) if me in members else None), len(members)
 
@@ -133,15 +134,15 @@ def group_prefix(g: int) -> str:
     return f"{PREFIX}pg/{g}/"
 
 
-class FormationStore(dist.Store):
+class FormationStore(Store):
     """The store a generation's group forms over: its waits give up as soon as the generation
     is superseded (a member died after the door, and the agent published the next one),
     where a `PrefixStore` would wait out its timeout for the dead member's keys."""
 
-    def __init__(self, base: dist.Store, prefix: str, superseded: Callable[[], bool],
+    def __init__(self, base: Store, prefix: str, superseded: Callable[[], bool],
                  timeout_s: float) -> None:
         super().__init__()
-        self.inner = dist.PrefixStore(prefix, base)
+        self.inner = PrefixStore(prefix, base)
         self.superseded = superseded
         self.timeout_s = timeout_s
 
@@ -201,7 +202,7 @@ class Membership:
         self.base = agent_store(env, timeout_s)
         self.address = agent_address(env)
         """The agent's store (``host``, ``port``)."""
-        self.store = dist.PrefixStore(PREFIX, self.base)
+        self.store = PrefixStore(PREFIX, self.base)
         self.joins = self.store.get("joins") == b"1"
         """Whether the agent starts workers that join later (`--replace`, `--standby`); set
         before any worker starts, so every member reads the same."""

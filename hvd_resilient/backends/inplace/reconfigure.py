@@ -21,6 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+from torch._C._distributed_c10d import Store
 
 REQUIRED = ("_reconfigure", "_get_reconfigure_handle", "_supports_reconfigure")
 """The private functions the path calls: all of them, or the fresh-group path."""
@@ -35,7 +36,7 @@ def handle_key(rank: int) -> str:
     return f"reconfigure/{rank}"
 
 
-def form(store: dist.Store, rank: int, size: int, generation: int, backend: str,
+def form(store: Store, rank: int, size: int, generation: int, backend: str,
          timeout: datetime.timedelta, uuid_base: int) -> None:
     """Generation ``generation``'s group as this worker's default group, reconfigured in place:
     created (in the reconfigure regime) the first time, then re-initialised with the members'

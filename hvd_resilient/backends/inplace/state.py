@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from hvd_resilient.backends.torchrun.state import TorchDistState
+from hvd_resilient.backends.torchdist.fsdp import holds_sharded_module
+from hvd_resilient.backends.torchdist.state import TorchDistState
 from hvd_resilient.state.agreement import Collectives
 from hvd_resilient.state.commits import LocalCommits
 from hvd_resilient.state.core import InMemoryState
@@ -31,8 +32,7 @@ class InPlaceState(InMemoryState, TorchDistState):
         # A sharded model's commit is the memory tier's (every rank's shards, the lost one's
         # included); the holder re-shards it and `durable_sharded` reloads it at a new
         # generation. Here only what every rank holds whole.
-        whole = {} if getattr(model, "holds_sharded_module", False) else {
-            "model": model, "optimizer": optimizer}
+        whole = {} if holds_sharded_module(model) else {"model": model, "optimizer": optimizer}
         self._commits = LocalCommits({**whole, "sampler": self.sampler,
                                       "scheduler": self.scheduler, **self._stateful})
         self._saved_attributes = self._attributes_copy()

@@ -16,8 +16,6 @@ parameter order, whatever their buckets (`determinism`).
 from __future__ import annotations
 
 import atexit
-import datetime
-import gc
 import logging
 import os
 import socket
@@ -26,33 +24,35 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from hvd_resilient.backends import determinism, recovery
-from hvd_resilient.backends.base import Backend
-from hvd_resilient.backends.torchrun.collectives import TorchDistCollectives
+from hvd_resilient.backends.torchdist.backend import TorchDistBackend, release_groups
+from hvd_resilient.backends.torchdist.collectives import TorchDistCollectives
+from hvd_resilient.backends.torchdist.world import TorchDistWorld
 from hvd_resilient.backends.torchrun.state import TorchrunState
 from hvd_resilient.detect import Detectors
 from hvd_resilient.detect.silent_peers import SilentPeers
+from hvd_resilient.state.protocol import TrainingState
 
 logger = logging.getLogger(__name__)
 
 
-class TorchDistBackend(Backend):
+class TorchrunBackend(TorchDistBackend):
+    """A worker that torchrun started: its place comes from torchrun's variables, its group is
+    formed once, and a peer its heartbeats find silent (frozen, cut off) makes this worker
+    exit, so that torchrun restarts every worker now instead of after the process-group
+    timeout."""
+
     name = "torchrun"
     resume_on_every_rank = True
     reduces_in_backward = True
 
     def __init__(self, fsdp: bool = False, pg_timeout_seconds: float = 300.0,
                  heartbeat_timeout_s: float = 1.5, *, deterministic: bool = False) -> None:
-        self.deterministic = deterministic
-        self.heartbeat_timeout_s = heartbeat_timeout_s
-        """A peer silent this long (frozen, cut off) makes this worker exit, so that torchrun
-        restarts now instead of after the process-group timeout (0: off)."""
-        self.device = torch.device("cpu")
-        self.fsdp = fsdp
-        """Shard the model (FSDP2) instead of replicating it (DDP)."""
-        self.pg_timeout = datetime.timedelta(seconds=pg_timeout_seconds)
-        """How long forming the process group (and its store) may take (config: recovery)."""
+        super().__init__(fsdp=fsdp, pg_timeout_seconds=pg_timeout_seconds,
+                         heartbeat_timeout_s=heartbeat_timeout_s, deterministic=deterministic)
 
     def init(self, comm: Any | None = None) -> None:
         env = os.environ  # torchrun's agent hands its workers their place here
@@ -67,9 +67,9 @@ class TorchDistBackend(Backend):
         # restart count (right while no node joins later)
         restart = env.get("HVD_RESILIENT_RDZV_ROUND") or env.get("TORCHELASTIC_RESTART_COUNT",
                                                                   "0")
-        base = dist.TCPStore(*self.coordinator, world_size=world, is_master=False,
-                             timeout=self.pg_timeout)
-        store = dist.PrefixStore(f"hvd_resilient/round{restart}/", base)
+        base = TCPStore(*self.coordinator, world_size=world, is_master=False,
+                        timeout=self.pg_timeout)
+        store = PrefixStore(f"hvd_resilient/round{restart}/", base)
         dist.init_process_group("nccl" if use_cuda else "gloo", store=store, rank=rank,
                                 world_size=world, timeout=self.pg_timeout)
 
@@ -82,11 +82,12 @@ class TorchDistBackend(Backend):
     def local_size(self) -> int:
         return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
-    def wrap(self, model: Any, optimizer: Any, *, accumulation: int = 1) -> tuple[Any, Any]:
+    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+             accumulation: int = 1) -> tuple[nn.Module, torch.optim.Optimizer]:
         """DDP or FSDP2; accumulation needs nothing here (`training.recipe` skips the
         reduction of all but the last micro-batch)."""
         if self.fsdp:
-            from hvd_resilient.backends.torchrun import fsdp
+            from hvd_resilient.backends.torchdist import fsdp
 
             if self.deterministic and self.rank() == 0:
                 logger.warning("--deterministic does not cover FSDP's reductions "
@@ -101,11 +102,12 @@ class TorchDistBackend(Backend):
             determinism.register_ddp_hook(ddp)
         return ddp, optimizer
 
-    def make_state(self, model: Any, optimizer: Any, **kwargs: Any) -> TorchrunState:
+    def make_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                   **kwargs: Any) -> TorchrunState:
         return TorchrunState(model, optimizer, rank=self.rank, size=self.size,
                              collectives=TorchDistCollectives(self.device), **kwargs)
 
-    def run(self, fn: Callable[[Any], None], state: Any) -> None:
+    def run(self, fn: Callable[[TrainingState], None], state: TrainingState) -> None:
         env = os.environ
         silent = SilentPeers(self.heartbeat_timeout_s, state.events, machine=socket.gethostname(),
                              slot=f"local rank {env.get('LOCAL_RANK', '?')}",
@@ -117,61 +119,19 @@ class TorchDistBackend(Backend):
         # tensors whose release needs the GIL, and the process can abort with "terminate
         # called without an active exception" after a finished run (seen in CI). At exit, not
         # here: the caller may still run collectives after fit().
-        atexit.register(_release_groups)
-
-    def allgather_object(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * self.size()
-        dist.all_gather_object(out, obj)
-        return out
-
-    def any_rank(self, flag: bool) -> bool:
-        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item() > 0)
-
-    def shutdown(self) -> None:
-        _release_groups()
-
-
-class TorchDistWorld:
-    """What every `recovery.World` over torch.distributed answers the same way (torchrun's,
-    and the in-place backend's generations): rank, size and the allgather are the backend's,
-    the machine is this host's name."""
-
-    backend: Any  # a backend with rank(), size() and allgather_object()
-
-    def rank(self) -> int:
-        return int(self.backend.rank())
-
-    def size(self) -> int:
-        return int(self.backend.size())
-
-    def machine(self) -> str:
-        return socket.gethostname()
-
-    def allgather(self, obj: Any) -> list[Any]:
-        return list(self.backend.allgather_object(obj))
+        atexit.register(release_groups)
 
 
 class _TorchrunWorld(TorchDistWorld, recovery.FormOnce):
     """torchrun's world is formed once: its agent restarts every worker after a failure."""
 
-    def __init__(self, backend: TorchDistBackend, detectors: Detectors) -> None:
+    def __init__(self, backend: TorchrunBackend, detectors: Detectors) -> None:
         self.backend, self.detectors = backend, detectors
 
-    def sync(self, state: Any, rider: Any, arm: Callable[[list[Any]], None]) -> None:
+    def sync(self, state: TrainingState, rider: object,
+             arm: Callable[[list[Any]], None]) -> None:
         arm(self.allgather(rider))
         state.sync()
 
     def finish(self) -> None:
         dist.barrier()  # detectors disarmed: nobody leaves while a peer still judges
-
-
-def _release_groups() -> None:
-    """Every process group of this process (the default one and the checkpoints' own), once;
-    a no-op when the caller already destroyed them."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    # A group, or a Work holding tensors, that a reference cycle keeps (the state's hooks and
-    # the tiers refer to each other) is freed by the collector, at teardown if not now.
-    gc.collect()

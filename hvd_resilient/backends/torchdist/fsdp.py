@@ -1,5 +1,6 @@
-"""FSDP2 (`torch.distributed.fsdp.fully_shard`) on the torchrun path: each rank holds a shard
-of every parameter, gradient and optimizer state instead of a replica.
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`) over torch.distributed (the torchrun backend,
+and the in-place one through its holder, `backends.inplace.fsdp`): each rank holds a shard of
+every parameter, gradient and optimizer state instead of a replica.
 
 Why the extra steps around `fully_shard`:
 
@@ -10,13 +11,16 @@ Why the extra steps around `fully_shard`:
   built the model from different seeds would train a model no single rank ever had, so rank 0's
   values are broadcast first;
 - a sharded state dict holds DTensors that no rank can `torch.save` alone: `full_state`
-  gathers them (a collective), to export the whole model or compare it in tests.
+  gathers them (a collective), to export the whole model or compare it in tests;
+- a module stays bound to the group it was sharded over, so where the group changes (the
+  in-place backend's generations) the trainer holds a `ShardedHolder` instead, and every helper
+  here works on the sharded module inside it (`root`).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import nn
@@ -28,28 +32,35 @@ logger = logging.getLogger(__name__)
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
-def require_torchrun(backend: str) -> None:
-    """FSDP needs torch.distributed's collectives and DTensors; Horovod (horovodrun, mpirun)
-    only averages replicated gradients, so the combination is refused before anything starts.
+class ShardedHolder(nn.Module):
+    """A model that holds its sharded module in ``module`` instead of being it, and shards a
+    fresh copy over the current group at `reshard`: `fully_shard` binds a module to the group
+    it was sharded over and cannot be applied twice, while the in-place backend forms a new
+    group at every generation (its `backends.inplace.fsdp.Resharded` declares this interface).
 
-    Raises:
-        ConfigError: ``backend`` is neither torchrun nor inplace.
+    What it changes for the readers (each asks `holds_sharded_module`): the helpers here work
+    on ``module`` (`root`); the in-place state's commit holds no model, since the memory tier's
+    copy of every rank's shards is the commit; and the durable tier re-shards and reloads the
+    last commit at every new generation (`training.durable_sharded`).
     """
-    if backend not in ("torchrun", "inplace"):
-        raise ConfigError(
-            f"config: fsdp needs the torchrun or inplace backend, this job runs on {backend} "
-            "(launch it with torchrun or `hvd-resilient run --launcher torchrun|inplace`, or "
-            "drop --fsdp / HVD_RESILIENT_FSDP)"
-        )
+
+    module: nn.Module
+
+    def reshard(self) -> None:
+        """A fresh copy of the model sharded over the current group, the optimizer pointed at
+        it with no state; its values come from the commit the caller loads next. Collective
+        (every member of the group)."""
+        raise NotImplementedError
+
+
+def holds_sharded_module(model: object) -> TypeGuard[ShardedHolder]:
+    """True when ``model`` is a `ShardedHolder` (not the sharded module itself)."""
+    return isinstance(model, ShardedHolder)
 
 
 def root(model: nn.Module) -> nn.Module:
-    """The sharded module itself: the in-place backend hands the trainer a holder
-    (`backends.inplace.fsdp.Resharded`) whose ``module`` is the current generation's."""
-    if getattr(model, "holds_sharded_module", False):
-        inner: nn.Module = model.module  # type: ignore[assignment]
-        return inner
-    return model
+    """The sharded module itself: ``model``'s ``module`` where it is a `ShardedHolder`."""
+    return model.module if holds_sharded_module(model) else model
 
 
 def _units(model: nn.Module) -> list[nn.Module]:
