@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:  # the launcher side imports this package without torch
     import torch
     from torch import nn
 
     from hvd_resilient.state.protocol import TrainingState
+
+StateT = TypeVar("StateT", bound="TrainingState")
+"""The state a backend runs: any `TrainingState`, and the training function gets that same
+type back (the trainer's state carries its loss too)."""
 
 
 class Backend(abc.ABC):
@@ -73,7 +77,7 @@ class Backend(abc.ABC):
         the trainer also reads the extras it passed (``last_loss``) as attributes."""
 
     @abc.abstractmethod
-    def run(self, fn: Callable[[TrainingState], None], state: TrainingState) -> None:
+    def run(self, fn: Callable[[StateT], None], state: StateT) -> None:
         """Runs the training function, recovering in memory where the backend can."""
 
     @abc.abstractmethod

@@ -8,13 +8,12 @@ from typing import Any
 import horovod.torch as hvd
 import torch
 
-from hvd_resilient.backends.base import Backend
+from hvd_resilient.backends.base import Backend, StateT
 from hvd_resilient.backends.horovod import init as hvd_init
 from hvd_resilient.backends.horovod import ordered, slots
 from hvd_resilient.backends.horovod.run import HEARTBEAT_TIMEOUT_S
 from hvd_resilient.backends.horovod.run import run as run_elastic
 from hvd_resilient.backends.horovod.state import ElasticState
-from hvd_resilient.state.protocol import TrainingState
 
 
 class HorovodBackend(Backend):
@@ -64,7 +63,7 @@ class HorovodBackend(Backend):
         kwargs.setdefault("hold_additions", True)  # the Trainer's loop has no Horovod timing
         return ElasticState(model, optimizer, **kwargs)
 
-    def run(self, fn: Callable[[TrainingState], None], state: TrainingState) -> None:
+    def run(self, fn: Callable[[StateT], None], state: StateT) -> None:
         run_elastic(fn, heartbeat_timeout_s=self.heartbeat_timeout_s)(state)
 
     def allgather_object(self, obj: Any) -> list[Any]:

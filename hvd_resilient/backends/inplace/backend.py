@@ -25,6 +25,7 @@ from torch import nn
 
 from hvd_resilient import event_names as ev
 from hvd_resilient.backends import determinism, recovery
+from hvd_resilient.backends.base import StateT
 from hvd_resilient.backends.inplace.busy import BusyReporter
 from hvd_resilient.backends.inplace.grads import GradientAverager
 from hvd_resilient.backends.inplace.membership import Fenced, Membership
@@ -232,7 +233,7 @@ class InPlaceBackend(TorchDistBackend):
         dist.broadcast(flag, src=0)
         return bool(flag.item())
 
-    def run(self, fn: Callable[[TrainingState], None], state: TrainingState) -> None:
+    def run(self, fn: Callable[[StateT], None], state: StateT) -> None:
         m = self.membership
         assert m is not None, "init() first"
         if not isinstance(state, InPlaceState):  # its generations run the state's reset hooks

@@ -28,6 +28,7 @@ from torch import nn
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from hvd_resilient.backends import determinism, recovery
+from hvd_resilient.backends.base import StateT
 from hvd_resilient.backends.torchdist.backend import TorchDistBackend, release_groups
 from hvd_resilient.backends.torchdist.collectives import TorchDistCollectives
 from hvd_resilient.backends.torchdist.world import TorchDistWorld
@@ -107,7 +108,7 @@ class TorchrunBackend(TorchDistBackend):
         return TorchrunState(model, optimizer, rank=self.rank, size=self.size,
                              collectives=TorchDistCollectives(self.device), **kwargs)
 
-    def run(self, fn: Callable[[TrainingState], None], state: TrainingState) -> None:
+    def run(self, fn: Callable[[StateT], None], state: StateT) -> None:
         env = os.environ
         silent = SilentPeers(self.heartbeat_timeout_s, state.events, machine=socket.gethostname(),
                              slot=f"local rank {env.get('LOCAL_RANK', '?')}",
