@@ -96,7 +96,7 @@ def command(stack: str, run: Path) -> list[str]:
         return [str(VENV_BIN / "hvd-resilient"), "run", "--launcher", "inplace", "--np",
                 str(NP), *standby, "--run-id", run.name, "--run-dir", str(run), "--checkpoint",
                 ckpt, "--max-restarts", "0", "--", *train]
-    from hvd_resilient.launch.commands import torchrun_command
+    from hvd_resilient.launch.launchers.torchrun import torchrun_command
 
     if stack == "vanilla":
         return [str(VENV_BIN / "torchrun"), "--standalone", "--nproc-per-node", str(NP),

@@ -247,7 +247,7 @@ def torchrun_cmd(sc: Scenario, stack: str, run: Path, nodes: int = 1,
     """Ours (and durable): exactly what `hvd-resilient run --launcher torchrun` starts, on
     examples/digits.py; with `nodes`, one node's agent (sc.np workers over all nodes) of a
     rendezvous at `endpoint`. Vanilla: plain DDP (`torchrun_vanilla_job.py`)."""
-    from hvd_resilient.launch.commands import torchrun_command
+    from hvd_resilient.launch.launchers.torchrun import torchrun_command
 
     if stack != "vanilla":
         train = [sys.executable, str(ROOT / "examples" / "digits.py"), "--run-id", run.name,
@@ -482,7 +482,7 @@ def kill_driver(job: Job) -> None:
     their commits kept in the memory tier. The supervisor's warm pool (--warm-pool) is its
     other child, and lives on."""
     for driver in psutil.Process(job.proc.pid).children():
-        if "warm_pool_server" not in " ".join(driver.cmdline()):
+        if "warm.pool_server" not in " ".join(driver.cmdline()):
             kill([*driver.children(), driver])
 
 

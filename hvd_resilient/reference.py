@@ -21,13 +21,13 @@ _BLOCK = re.compile(r"(<!-- generated: (\w+)[^\n]*-->\n)(.*?)(<!-- end generated
 def blocks() -> dict[str, str]:
     """Block name -> its markdown: `training` (TrainConfig, a table per section) and `run`."""
     from hvd_resilient.config import SCHEMA, SECTIONS
-    from hvd_resilient.launch.run_options import RUN
+    from hvd_resilient.launch.run_settings import tables as run_tables
 
     training = [SCHEMA.table("")]
     for name, cls in SECTIONS.items():
         what = " ".join((cls.__doc__ or "").split()).split(". ")[0].rstrip(".")
         training += ["", f"### `{name}`: {what[:1].lower()}{what[1:]}.", "", SCHEMA.table(name)]
-    return {"training": "\n".join(training), "run": RUN.table()}
+    return {"training": "\n".join(training), "run": run_tables()}
 
 
 def render(page: str) -> str:

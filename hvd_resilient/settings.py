@@ -2,11 +2,12 @@
 text, with one flag, one config-file key and, for a command that reads them, one environment
 variable.
 
-`TrainConfig` (config.py) and `hvd-resilient run` (launch/run_options.py) declare theirs as
-dataclasses and get everything else from here, so that the two cannot drift apart: the flags,
-the merge of file < environment < flags, the coercion of each value (a bad one stops with one
-line naming where it came from), the refusal of unknown keys with the closest known one, the
-older names a setting is still read under, and the reference tables of docs/configuration.md.
+`TrainConfig` (config.py), `hvd-resilient run` (launch/run_settings.py) and the Horovod
+driver's switches (launch/horovod/options.py) declare theirs as dataclasses and get everything
+else from here, so that they cannot drift apart: the flags, the merge of file < environment <
+flags, the coercion of each value (a bad one stops with one line naming where it came from),
+the refusal of unknown keys with the closest known one, the older names a setting is still
+read under, and the reference tables of docs/configuration.md.
 """
 
 from __future__ import annotations
@@ -29,12 +30,15 @@ FALSE = ("0", "false", "no", "off")
 
 def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING,
             aliases: tuple[str, ...] = (), choices: tuple[str, ...] = (),
-            metavar: str | tuple[str, ...] | None = None, positional: bool = False) -> Any:
+            metavar: str | tuple[str, ...] | None = None, positional: bool = False,
+            env: str | None = None) -> Any:
     """A dataclass field with what its flag needs beyond name, type and default: the older
     flat names it is still read under (files, environment, flags), argparse's choices and
-    metavar, or a positional place (the training command of `hvd-resilient run`)."""
+    metavar, or a positional place (the training command of `hvd-resilient run`). ``env``:
+    its environment variable where that is not `<prefix><NAME>` (a switch whose variable is
+    older than its flag: the flag's name was taken)."""
     meta = {"aliases": aliases, "choices": choices, "metavar": metavar,
-            "positional": positional}
+            "positional": positional, "env": env}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -58,6 +62,8 @@ class Setting:
     choices: tuple[str, ...] = ()
     metavar: str | tuple[str, ...] | None = None
     positional: bool = False
+    env_name: str | None = None
+    """Its environment variable, where it is not `<prefix><NAME>`."""
 
     @property
     def flag(self) -> str:
@@ -65,7 +71,9 @@ class Setting:
 
     @property
     def env(self) -> str | None:
-        return None if self.env_prefix is None else self.env_prefix + self.name.upper()
+        if self.env_prefix is None:
+            return None
+        return self.env_name or self.env_prefix + self.name.upper()
 
     @property
     def alias_envs(self) -> tuple[str, ...]:
@@ -80,7 +88,8 @@ def _flag(name: str) -> str:
 class Schema:
     """The settings of one command: a dataclass, and the dataclasses of its sections (a
     section's settings are named `<section>_<field>` in flags, files and the environment,
-    and `section: {field: ...}` in a file too).
+    and `section: {field: ...}` in a file too; with ``prefix_sections=False`` by their
+    field names alone, which must then differ across sections).
 
     Args:
         what: the first word of every message (`config`, `run`).
@@ -91,15 +100,20 @@ class Schema:
         env_aliases: older environment names (not flags, not file keys) -> flat name.
         doc_values: ``{name}`` in a field's docstring -> what replaces it (asked for when the
             docs are first needed, so that what they name is imported only then).
+        prefix_sections: False: a section's settings keep their field names (`hvd-resilient
+            run`: each launcher's options are a section, and its flags are the ones users
+            know).
     """
 
     def __init__(self, what: str, top: type, sections: Mapping[str, type] | None = None, *,
                  env_prefix: str | None = None,
                  env_aliases: Mapping[str, str] | None = None,
-                 doc_values: Callable[[], Mapping[str, str]] | None = None) -> None:
+                 doc_values: Callable[[], Mapping[str, str]] | None = None,
+                 prefix_sections: bool = True) -> None:
         self.what = what
         self.top = top
         self.sections = dict(sections or {})
+        self.prefix_sections = prefix_sections
         self.env_prefix = env_prefix
         self.env_aliases = dict(env_aliases or {})
         self._doc_values = doc_values
@@ -122,6 +136,10 @@ class Schema:
                     for k, v in values.items():
                         doc = doc.replace("{" + k + "}", v)
                     out.append(self._setting(f, section, doc))
+            names = [st.name for st in out]
+            twice = sorted({n for n in names if names.count(n) > 1})
+            if twice:
+                raise TypeError(f"{self.what}: settings named twice: {', '.join(twice)}")
             self._settings = out
         return self._settings
 
@@ -133,11 +151,13 @@ class Schema:
             default = f.default_factory()
         else:
             default = None
-        return Setting(f"{section}_{f.name}" if section else f.name, section, f.name,
+        name = f"{section}_{f.name}" if section and self.prefix_sections else f.name
+        return Setting(name, section, f.name,
                        f.type if isinstance(f.type, str) else f.type.__name__, default, doc,
                        env_prefix=self.env_prefix, aliases=tuple(meta.get("aliases", ())),
                        choices=tuple(meta.get("choices", ())), metavar=meta.get("metavar"),
-                       positional=bool(meta.get("positional", False)))
+                       positional=bool(meta.get("positional", False)),
+                       env_name=meta.get("env"))
 
     def by_name(self) -> dict[str, Setting]:
         """Flat names and their older names -> the setting."""
@@ -198,8 +218,8 @@ class Schema:
         if file and file_values is None:
             file_values = load_file(file, self.what)
         if file_values:
-            self._take(values, flatten(file_values, self.sections), f"config file {file}: "
-                       if file else "", "")
+            self._take(values, flatten(file_values, self.sections, self.prefix_sections),
+                       f"config file {file}: " if file else "", "")
         if env is not None and self.env_prefix is not None:
             self._take_env(values, env)
         if args is not None:
@@ -207,7 +227,7 @@ class Schema:
                      if getattr(args, st.name, None) not in (None, [])}  # [] no `-- cmd`
             self._take(values, given, "", "flag")
         if overrides:
-            self._take(values, flatten(overrides, self.sections), "", "")
+            self._take(values, flatten(overrides, self.sections, self.prefix_sections), "", "")
         return values
 
     def _take(self, values: dict[str, Any], raw: Mapping[str, Any], where: str,
@@ -278,16 +298,18 @@ def _shown(default: Any) -> str:
     return repr(default) if not isinstance(default, tuple) else " ".join(map(str, default))
 
 
-def flatten(values: Mapping[str, Any], sections: Mapping[str, type]) -> dict[str, Any]:
-    """`store: {sse: AES256}` -> `store_sse: AES256` (a section given as an object too);
-    dashes in keys read as underscores, as in the flags."""
+def flatten(values: Mapping[str, Any], sections: Mapping[str, type],
+            prefix: bool = True) -> dict[str, Any]:
+    """`store: {sse: AES256}` -> `store_sse: AES256` (a section given as an object too;
+    ``prefix`` False: `sse: AES256`); dashes in keys read as underscores, as in the flags."""
     out: dict[str, Any] = {}
     for key, v in values.items():
         key = str(key).replace("-", "_")
         if key in sections and dataclasses.is_dataclass(v):
             v = dataclasses.asdict(v)  # type: ignore[arg-type]
         if key in sections and isinstance(v, Mapping):
-            out.update({f"{key}_{str(k).replace('-', '_')}": x for k, x in v.items()})
+            head = f"{key}_" if prefix else ""
+            out.update({f"{head}{str(k).replace('-', '_')}": x for k, x in v.items()})
         else:
             out[key] = v
     return out
@@ -403,18 +425,20 @@ def load_file(path: str, what: str = "config") -> dict[str, Any]:
 
 
 def docs_from_source(cls: type) -> dict[str, str]:
-    """Field docstrings (the string under each field) become the --help texts."""
+    """Field docstrings (the string under each field) become the --help texts; a field a
+    dataclass inherits keeps its base's (a subclass that declares it again, its own)."""
     import ast
     import inspect
 
     out: dict[str, str] = {}
-    try:
-        tree = ast.parse(inspect.getsource(cls))
-    except (OSError, TypeError):
-        return out
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    for a, b in zip(body, body[1:], strict=False):
-        if (isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name)
-                and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)):
-            out[a.target.id] = " ".join(str(b.value.value).split())
+    for klass in reversed(cls.__mro__[:-1]):  # object has no fields
+        try:
+            tree = ast.parse(inspect.getsource(klass))
+        except (OSError, TypeError):
+            continue
+        body = tree.body[0].body  # type: ignore[attr-defined]
+        for a, b in zip(body, body[1:], strict=False):
+            if (isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name)
+                    and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)):
+                out[a.target.id] = " ".join(str(b.value.value).split())
     return out

@@ -46,6 +46,7 @@ from typing import Any
 from hvd_resilient import event_names as ev
 from hvd_resilient.errors import LaunchError
 from hvd_resilient.launch.horovod.command import ElasticLaunch, horovodrun_command
+from hvd_resilient.launch.horovod.options import DriverSwitches, driver_env
 
 REPO = Path(__file__).resolve().parents[2]  # hvd_resilient/launch/demo.py -> the checkout
 KILL_STEP = 60
@@ -244,10 +245,12 @@ def main(argv: list[str]) -> int:
         "--shard-windows", "500",
         *([] if a.interactive else ["--end-file", str(end_file)]), *shlex.split(a.job_args),
     ])
-    # as --discovery-watch: the script runs as soon as the hosts file changes, not at the poll
-    env = dict(os.environ, HVD_RESILIENT_DISCOVERY_WATCH=str(hosts))
-    if not a.no_warm_pool:  # as --warm-pool: this machine's workers fork from a warm process
-        env.update(HVD_RESILIENT_WARM_POOL="1", HVD_RESILIENT_RUN_DIR=str(run_dir))
+    # --discovery-watch: the script runs as soon as the hosts file changes, not at the poll;
+    # --warm-pool: this machine's workers fork from a warm process
+    switches = DriverSwitches(discovery_watch=str(hosts), warm_pool=not a.no_warm_pool)
+    env = dict(os.environ, **driver_env(switches))
+    if not a.no_warm_pool:
+        env["HVD_RESILIENT_RUN_DIR"] = str(run_dir)
     if not a.interactive:
         env["HVD_RESILIENT_FAULT"] = f"kill:rank=1:step={KILL_STEP}"
     log = run_dir / "job.log"

@@ -20,7 +20,7 @@ port) and the store-based barrier's counter already full.
 
 `apply_round_store()` wraps `_create_c10d_store`: while the workers use the agent's store, the
 store it returns is prefixed with `hvd_resilient/round<R>`, R being the rendezvous round
-(`HVD_RESILIENT_RDZV_ROUND`, exported by `torchrun_warm.export_round`, the same on every node)
+(`HVD_RESILIENT_RDZV_ROUND`, exported by `warm/torchrun.export_round`, the same on every node)
 or else this agent's restart count. With `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (a fresh
 store per round) nothing changes. Our own torchrun backend builds its store itself with the
 same kind of prefix (`backends/torchrun/backend.py`); this covers an unchanged script.

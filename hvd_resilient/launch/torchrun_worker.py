@@ -3,7 +3,7 @@ script: it may be one that knows nothing of this library (PyTorch's DDP tutorial
 
 - Its process group forms in every restarted round (`torchrun_round_store`).
 - It ends on SIGTERM (`restore_default_signals`): a worker forked from the agent
-  (`torchrun_warm`) inherits the agent's Python SIGTERM handler, torch's
+  (`warm/torchrun.py`) inherits the agent's Python SIGTERM handler, torch's
   `_terminate_process_handler`, installed by `PContext.start()` before the fork
   (elastic/multiprocessing/api.py). A Python handler runs only when the main thread is back
   between bytecodes; a survivor blocked in a Gloo collective (waiting for the dead peer) never

@@ -2,7 +2,7 @@
 with 2 ranks a + b == b + a, so the tests of test_resume.py cannot see it).
 
 Real launches as users launch: `hvd-resilient run --launcher horovod` with three one-slot
-workers found by discovery (slot hosts of 127.0.0.1), and `--backend torchrun` with three
+workers found by discovery (slot hosts of 127.0.0.1), and `--launcher torchrun` with three
 workers. Deterministic mode is asked for through HVD_RESILIENT_DETERMINISTIC=1, which
 `hvd-resilient run` forwards and TrainConfig reads as `deterministic`; the `--deterministic`
 flag of the script is checked by the last test (the trainer hands it to the backend).
@@ -144,7 +144,7 @@ def test_ddp_hook_reduces_the_first_step_like_every_later_one(tmp_path):
 # -- real launches ---------------------------------------------------------------------------
 def horovod_run(jobs, tmp_path: Path, run: Path, steps: int, env: dict[str, str]):
     _, discover = write_discovery(tmp_path, "127.0.0.1:3")  # slot hosts: 3 one-slot hosts
-    cmd = [HVD, "run", "--backend", "horovod", "--discovery", str(discover), "--np", "3",
+    cmd = [HVD, "run", "--launcher", "horovod", "--discovery", str(discover), "--np", "3",
            "--min-np", "3", "--max-np", "3", "--network-interface", "lo", "--run-id", "d",
            "--run-dir", str(run), "--max-restarts", "0", "--", *SCRIPT, "--max-steps",
            str(steps)]
@@ -152,7 +152,7 @@ def horovod_run(jobs, tmp_path: Path, run: Path, steps: int, env: dict[str, str]
 
 
 def torchrun_run(jobs, tmp_path: Path, run: Path, steps: int, env: dict[str, str]):
-    cmd = [HVD, "run", "--backend", "torchrun", "--np", "3", "--rdzv-endpoint",
+    cmd = [HVD, "run", "--launcher", "torchrun", "--np", "3", "--rdzv-endpoint",
            f"127.0.0.1:{free_port()}", "--run-id", "d", "--run-dir", str(run),
            "--max-restarts", "0", "--", *SCRIPT, "--max-steps", str(steps)]
     return jobs.start(cmd, env=jobs.env(**env), name=run.name)
@@ -208,7 +208,7 @@ def test_horovod_deterministic_job_grows_and_shrinks_elastically(tmp_path, jobs)
     joins a running job (building it while the others sync) neither hangs nor disagrees."""
     run = tmp_path / "run"
     hosts, discover = write_discovery(tmp_path, "127.0.0.1:2")
-    cmd = [HVD, "run", "--backend", "horovod", "--discovery", str(discover), "--np", "2",
+    cmd = [HVD, "run", "--launcher", "horovod", "--discovery", str(discover), "--np", "2",
            "--min-np", "2", "--max-np", "3", "--network-interface", "lo", "--run-id", "e",
            "--run-dir", str(run), "--max-restarts", "0", "--", *SCRIPT, "--max-steps",
            "1000000", "--commit-every", "5"]

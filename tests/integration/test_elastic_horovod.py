@@ -164,7 +164,7 @@ def test_with_a_warm_pool_every_worker_is_forked_from_it(tmp_path, jobs):
     pools = {psutil.Process(e["pid"]).ppid() for e in starts}
     assert len(starts) == 4 and len(pools) == 1, starts
     (pool,) = pools
-    assert "warm_pool_server" in " ".join(psutil.Process(pool).cmdline())
+    assert "warm.pool_server" in " ".join(psutil.Process(pool).cmdline())
     assert job.wait(240) == 0, job.output()[-3000:]
     assert not psutil.pid_exists(pool), "the pool outlived its driver"
     evs = events(run / "events.jsonl")

@@ -188,7 +188,7 @@ def test_fsdp_a_lost_hosts_shards_come_from_its_peers_copy(tmp_path, jobs):
     hosts to the tier). Each node copies its shards to the other's memory. Everything is
     SIGKILLed and node 1's memory wiped (a host lost); 2 nodes of 1 rank resume: node 1's
     rank fetches every shard from node 0, which holds its own and node 1's copies."""
-    from hvd_resilient.launch.commands import torchrun_command
+    from hvd_resilient.launch.launchers.torchrun import torchrun_command
     from tests.support.jobs import free_port
 
     run, url = tmp_path / "run", (tmp_path / "ckpt").as_uri()

@@ -86,7 +86,7 @@ def run_scenario(tmp_path: Path, jobs, *, slot_hosts: bool, discovery_schedule: 
     """Horovod's `BaseElasticTests._run`, through `hvd-resilient run`."""
     assert discovery_schedule or hosts, "a discovery schedule or fixed hosts"
     logfile = tmp_path / f"{name}.log"
-    cmd = [str(VENV_BIN / "hvd-resilient"), "run", "--backend", "horovod",
+    cmd = [str(VENV_BIN / "hvd-resilient"), "run", "--launcher", "horovod",
            "--np", str(num_proc), "--min-np", str(min_num_proc),
            "--network-interface", "lo", "--max-restarts", "0",
            "--run-id", name, "--run-dir", str(tmp_path / f"{name}-run"),

@@ -27,7 +27,7 @@ def test_dry_run_prints_command_and_masks_credentials(tmp_path):
     import os
 
     env = dict(os.environ, AWS_SECRET_ACCESS_KEY="s3cr3t-value", AWS_ACCESS_KEY_ID="AKIAX")
-    r = cli("run", "--backend", "mpi", "--np", "3", "--hosts", "a:2,b:2", "--run-id", "x",
+    r = cli("run", "--launcher", "mpi", "--np", "3", "--hosts", "a:2,b:2", "--run-id", "x",
             "--run-dir", str(tmp_path), "--checkpoint", "s3://bkt/p", "--dry-run", "--",
             "python", "train.py", "--epochs", "2", env=env)
     assert r.returncode == 0, r.stderr
@@ -89,7 +89,7 @@ def test_elastic_dry_run_sets_the_flags_that_matter(tmp_path):
 def test_standby_runs_in_process_only_what_python_itself_would_run_as_is():
     import sys
 
-    from hvd_resilient.launch.horovod.standby import runnable_here
+    from hvd_resilient.launch.warm.standby import runnable_here
 
     assert runnable_here([sys.executable, "train.py", "--epochs", "2"])
     assert runnable_here([sys.executable, "-m", "pkg.train"])
@@ -124,7 +124,7 @@ def test_standby_takes_its_rank_from_the_go_not_from_its_start(monkeypatch):
     worker must join as what the driver says now."""
     from types import SimpleNamespace
 
-    from hvd_resilient.launch.horovod import standby
+    from hvd_resilient.launch.warm import standby
 
     for name, value in zip(standby.SLOT_ENV, ("2", "3", "0", "1", "2", "3"), strict=True):
         monkeypatch.setenv(name, value)
@@ -149,7 +149,8 @@ def test_slot_hosts_split_per_slot_and_map_back_to_the_machine():
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["--backend", "mpi", "--discovery", "x"], "--discovery needs --launcher horovod"),
+    (["--launcher", "mpi", "--discovery", "x"],
+     "run: --discovery applies to --launcher horovod only; drop it or choose horovod"),
     (["--hosts", "a:0"], "--hosts entry 'a:0' must look like host:slots"),
     (["--np", "5", "--min-np", "1", "--max-np", "4", "--discovery", "/bin/true"],
      "--np 5 must lie between"),
@@ -175,7 +176,7 @@ def test_discovery_failing_on_first_call_is_one_line(tmp_path):
 
 
 def test_unreachable_and_malicious_hosts_stop_before_launch(tmp_path):
-    r = cli("run", "--backend", "mpi", "--np", "2", "--hosts", "localhost:1,127.0.0.9:1",
+    r = cli("run", "--launcher", "mpi", "--np", "2", "--hosts", "localhost:1,127.0.0.9:1",
             "--ssh-port", "1", "--run-dir", str(tmp_path), "--", "python", "t.py")
     assert r.returncode == FATAL_EXIT_CODE
     assert r.stderr.strip() == (
@@ -190,7 +191,7 @@ def test_missing_bucket_is_one_line_before_launch(tmp_path, s3_server):
     import os
 
     env = dict(os.environ, **s3_server.env())
-    r = cli("run", "--backend", "mpi", "--run-dir", str(tmp_path), "--checkpoint",
+    r = cli("run", "--launcher", "mpi", "--run-dir", str(tmp_path), "--checkpoint",
             "s3://no-such-bucket/x", "--", "python", DIGITS, env=env)
     assert r.returncode == FATAL_EXIT_CODE, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
@@ -203,11 +204,11 @@ def test_missing_bucket_is_one_line_before_launch(tmp_path, s3_server):
 def test_mpi_rank_killed_supervisor_restarts_and_ends_bit_identical(tmp_path, jobs):
     common = ["--epochs", "8", "--commit-every", "5", "--checkpoint-every", "20", "--seed", "2"]
     ref = tmp_path / "ref"
-    job = jobs.start([HVD, "run", "--backend", "mpi", "--np", "2", "--run-id", "ref",
+    job = jobs.start([HVD, "run", "--launcher", "mpi", "--np", "2", "--run-id", "ref",
                       "--run-dir", str(ref), "--", PYTHON, DIGITS, *common], name="ref")
     assert job.wait(240) == 0, job.output()[-3000:]
     run = tmp_path / "run"
-    job = jobs.start([HVD, "run", "--backend", "mpi", "--np", "2", "--run-id", "run",
+    job = jobs.start([HVD, "run", "--launcher", "mpi", "--np", "2", "--run-id", "run",
                       "--run-dir", str(run), "--max-restarts", "2", "--", PYTHON, DIGITS,
                       *common], env=jobs.env(HVD_RESILIENT_FAULT="kill:rank=1:step=70"),
                      name="run")
@@ -229,7 +230,7 @@ def _preempted_mpi_job(tmp_path, jobs, epochs: int, backend: str = "mpi"
     """An mpi (or another backend's) job under `hvd-resilient run` past its first checkpoint."""
     run = tmp_path / "run"
     extra = ["--network-interface", "lo"] if backend == "horovod" else []
-    job = jobs.start([HVD, "run", "--backend", backend, "--np", "2", "--run-id", "p",
+    job = jobs.start([HVD, "run", "--launcher", backend, "--np", "2", "--run-id", "p",
                       "--run-dir", str(run), *extra, "--", PYTHON, DIGITS,
                       "--epochs", str(epochs),
                       "--commit-every", "5", "--checkpoint-every", "50",
@@ -313,7 +314,7 @@ def test_whole_job_sigkilled_then_run_again_resumes_from_s3(backend, tmp_path, j
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             extra = ["--rdzv-endpoint", f"127.0.0.1:{s.getsockname()[1]}"]
-    cmd = [HVD, "run", "--backend", backend, "--np", "2", "--run-id", "k", "--run-dir",
+    cmd = [HVD, "run", "--launcher", backend, "--np", "2", "--run-id", "k", "--run-dir",
            str(run), "--checkpoint", f"{s3_url}/k", *extra, "--", PYTHON, DIGITS,
            "--epochs", "25", "--commit-every", "5", "--checkpoint-every", "20"]
     job = jobs.start(cmd, name="first")

@@ -80,14 +80,14 @@ def test_no_credential_reaches_any_output_or_file(tmp_path):
     runs = tmp_path / "runs"
     # hvd-resilient run, launched and dry: the URL is refused, masked, before anything starts
     for dry in ([], ["--dry-run"]):
-        r = run(HVD, "run", "--backend", "mpi", "--np", "2", "--run-dir", str(runs / "a"),
+        r = run(HVD, "run", "--launcher", "mpi", "--np", "2", "--run-dir", str(runs / "a"),
                 "--checkpoint", s3_url, *dry, "--", PYTHON, DIGITS, "--max-steps", "2")
         one_masked_error(f"run {dry}", r, "s3://***@bucket/x embeds credentials")
     r = run(HVD, "run", "--run-dir", str(runs / "b"), "--dry-run", "--", PYTHON, DIGITS,
             "--checkpoint-url", slash_url)
     one_masked_error("run, credentials in the training command", r, "s3://***@bucket/x")
     # dry-run with secrets in the environment: printed masked
-    r = run(HVD, "run", "--backend", "mpi", "--np", "2", "--run-dir", str(runs / "c"),
+    r = run(HVD, "run", "--launcher", "mpi", "--np", "2", "--run-dir", str(runs / "c"),
             "--dry-run", "--", PYTHON, DIGITS, **creds,
             AWS_ENDPOINT_URL=f"http://{key}:{secret}@127.0.0.1:1")
     check("dry-run env", r, 0)
@@ -114,7 +114,7 @@ def test_no_credential_reaches_any_output_or_file(tmp_path):
     # a real supervised launch with the secrets in its environment: events, checkpoints,
     # manifests, result, launcher and worker output
     ckpt = tmp_path / "ckpt"
-    r = run(HVD, "run", "--backend", "mpi", "--np", "2", "--run-dir", str(runs / "real"),
+    r = run(HVD, "run", "--launcher", "mpi", "--np", "2", "--run-dir", str(runs / "real"),
             "--checkpoint", ckpt.as_uri(), "--", PYTHON, DIGITS, "--max-steps", "4",
             "--checkpoint-every", "2", timeout=300, **creds)
     check("real launch", r, 0)
@@ -140,7 +140,7 @@ def test_run_config_file_typo_is_refused_with_the_closest_option(tmp_path):
     (line,) = r.stderr.strip().splitlines()
     assert f"run: config file {cfg}: unknown field max_restart (did you mean max_restarts?)" \
         in line
-    cfg.write_text("max-restarts: 0\nnp: 3\nbackend: mpi\n")  # dashes work as in the flags
+    cfg.write_text("max-restarts: 0\nnp: 3\nlauncher: mpi\n")  # dashes work as in the flags
     r = run(HVD, "run", "--config", str(cfg), "--run-dir", str(tmp_path / "r"), "--dry-run",
             "--", "python", "t.py")
     assert r.returncode == 0, r.stderr
@@ -155,19 +155,21 @@ def test_run_config_file_typo_is_refused_with_the_closest_option(tmp_path):
 
 # -- D: impossible sizes ----------------------------------------------------------------------
 @pytest.mark.parametrize("argv,needle", [
-    (["--backend", "horovod", "--np", "0"], "--np must be >= 1, got 0"),
-    (["--backend", "mpi", "--np", "0"], "--np must be >= 1, got 0"),
-    (["--backend", "torchrun", "--np", "-2"], "--np must be >= 1, got -2"),
+    (["--launcher", "horovod", "--np", "0"], "--np must be >= 1, got 0"),
+    (["--launcher", "mpi", "--np", "0"], "--np must be >= 1, got 0"),
+    (["--launcher", "torchrun", "--np", "-2"], "--np must be >= 1, got -2"),
     (["--np", "2", "--min-np", "3", "--max-np", "2", "DISCOVERY"],
      "--min-np (3) is larger than --max-np (2)"),
     (["--np", "5", "--min-np", "1", "--max-np", "4", "DISCOVERY"],
      "--np 5 must lie between --min-np 1 and --max-np 4"),
     (["--np", "2", "--min-np", "0", "DISCOVERY"], "--min-np must be >= 1, got 0"),
     (["--np", "1", "--min-np", "2", "DISCOVERY"], "--np 1 must lie between --min-np 2"),
-    (["--backend", "mpi", "--np", "2", "--min-np", "1"], "--min-np/--max-np size an elastic "),
-    (["--backend", "mpi", "--np", "3", "--hosts", "a:1,b:1"], "--np 3 is more than the 2 slots"),
-    (["--backend", "torchrun", "--nnodes", "0:2"], "--nnodes must be N or MIN:MAX"),
-    (["--backend", "torchrun", "--nnodes", "3:2"], "--nnodes must be N or MIN:MAX"),
+    (["--launcher", "mpi", "--np", "2", "--min-np", "1"],
+     "--min-np applies to --launcher horovod or inplace only; drop it or choose horovod or "),
+    (["--np", "2", "--min-np", "1"], "--min-np/--max-np size an elastic job"),
+    (["--launcher", "mpi", "--np", "3", "--hosts", "a:1,b:1"], "--np 3 is more than the 2 slots"),
+    (["--launcher", "torchrun", "--nnodes", "0:2"], "--nnodes must be N or MIN:MAX"),
+    (["--launcher", "torchrun", "--nnodes", "3:2"], "--nnodes must be N or MIN:MAX"),
     (["--max-restarts", "-1"], "--max-restarts must be >= 0"),
     (["--gloo-timeout-seconds", "0"], "--gloo-timeout-seconds must be >= 1"),
 ])
@@ -267,7 +269,7 @@ def test_a_config_error_in_every_rank_is_one_line_once(tmp_path, launch):
     d = script(tmp_path / "d.sh", "printf 'localhost:1\\n127.0.0.1:1\\n'\n")
     how = {"horovod-elastic": ["--discovery", str(d), "--network-interface", "lo"],
            "horovod-static": ["--network-interface", "lo"],
-           "mpi": ["--backend", "mpi"]}[launch]
+           "mpi": ["--launcher", "mpi"]}[launch]
     run_dir = tmp_path / "run"
     r = run(HVD, "run", *how, "--np", "2", "--run-dir", str(run_dir), "--", PYTHON, DIGITS,
             "--commit-every", "0", timeout=240)
@@ -327,7 +329,7 @@ def test_horovod_launcher_failure_is_one_line_not_a_traceback(tmp_path, elastic)
 @pytest.mark.timeout(500)
 def test_fresh_start_sets_checkpoints_aside_before_the_first_launch_only(tmp_path):
     run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
-    base = [HVD, "run", "--backend", "mpi", "--np", "1", "--run-dir", str(run_dir),
+    base = [HVD, "run", "--launcher", "mpi", "--np", "1", "--run-dir", str(run_dir),
             "--checkpoint", ckpt.as_uri(), "--max-restarts", "1"]
     train = [PYTHON, DIGITS, "--checkpoint-every", "2", "--commit-every", "1"]
     r = run(*base, "--", *train, "--max-steps", "4", "--seed", "1", timeout=240)

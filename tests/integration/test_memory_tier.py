@@ -31,7 +31,7 @@ N_SAMPLES = 2048
 def mpi_job(jobs, tmp: Path, name: str, *, restarts: int = 2, fault: str = ""):
     run = tmp / name
     env = jobs.env(HVD_RESILIENT_FAULT=fault) if fault else jobs.env()
-    job = jobs.start([HVD, "run", "--backend", "mpi", "--np", "2", "--run-id", name,
+    job = jobs.start([HVD, "run", "--launcher", "mpi", "--np", "2", "--run-id", name,
                       "--run-dir", str(run), "--max-restarts", str(restarts), "--", PYTHON,
                       JOB, "--run-dir", str(run), "--steps", "90", "--commit-every", "5",
                       "--checkpoint-url", f"file://{tmp}/ckpt-{name}",
@@ -82,7 +82,7 @@ def test_a_corrupt_memory_copy_is_skipped_and_the_one_before_is_used(tmp_path, j
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([b[0] ^ 0x01]))
 
-    again = jobs.start([HVD, "run", "--backend", "mpi", "--np", "2", "--run-id", "run",
+    again = jobs.start([HVD, "run", "--launcher", "mpi", "--np", "2", "--run-id", "run",
                         "--run-dir", str(run), "--", PYTHON, JOB, "--run-dir", str(run),
                         "--steps", "90", "--commit-every", "5", "--checkpoint-url",
                         f"file://{tmp_path}/ckpt-run", "--checkpoint-every", "1000",
@@ -124,7 +124,7 @@ def wait_for_memory_commit(run: Path, job, step: int) -> None:
 
 def test_horovodrun_driver_killed_relaunch_resumes_from_memory(tmp_path, jobs,
                                                                memory_tier_dir):
-    flags = ("--backend", "horovod", "--np", "2")
+    flags = ("--launcher", "horovod", "--np", "2")
     ref, job = digits_run(jobs, tmp_path, "ref", *flags)
     assert job.wait(300) == 0, job.output()[-3000:]
     (reference,) = digests(ref)
@@ -193,7 +193,7 @@ def test_torchrun_a_node_without_its_copy_fetches_the_peers(tmp_path, jobs):
     two hosts would have. Everything is SIGKILLed, the second node's memory is wiped (a
     replaced host), and both are started again: the second node's rank fetches the commit
     from the first node's copy over HTTP, and the run ends as if nothing had happened."""
-    from hvd_resilient.launch.commands import torchrun_command
+    from hvd_resilient.launch.launchers.torchrun import torchrun_command
     from tests.support.jobs import free_port
 
     run = tmp_path / "run"
@@ -245,7 +245,7 @@ def test_torchrun_a_node_that_cannot_hold_the_tier_still_takes_part(tmp_path, jo
     """One torchrun node's memory folder cannot be created (its parent is a file): that node
     keeps no copy, but it must still join every collective of the tier (the commit's gather
     of random streams, the resume's agreement), or the job would hang at its first commit."""
-    from hvd_resilient.launch.commands import torchrun_command
+    from hvd_resilient.launch.launchers.torchrun import torchrun_command
     from tests.support.jobs import free_port
 
     blocker = tmp_path / "not-a-folder"

@@ -51,7 +51,7 @@ def run_cmd(backend: str, tmp: Path, run: Path, ckpt: str, *train: str) -> list[
                   "--network-interface", "lo"]
     else:
         launch = ["--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--torchrun-restarts", "2"]
-    return [HVD, "run", "--backend", backend, "--np", "2", "--run-id", "r", "--run-dir",
+    return [HVD, "run", "--launcher", backend, "--np", "2", "--run-id", "r", "--run-dir",
             str(run), "--checkpoint", ckpt, "--max-restarts", "0", *launch, "--", PYTHON,
             DIGITS, *train]
 

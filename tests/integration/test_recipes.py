@@ -124,7 +124,7 @@ def mpi_job(jobs, tmp: Path, name: str, steps: int, fault: str = "",
             extra: tuple[str, ...] = ()):
     run = tmp / name
     env = jobs.env(HVD_RESILIENT_FAULT=fault) if fault else jobs.env()
-    job = jobs.start([HVD, "run", "--backend", "mpi", "--np", "2", "--run-id", name,
+    job = jobs.start([HVD, "run", "--launcher", "mpi", "--np", "2", "--run-id", name,
                       "--run-dir", str(run), "--max-restarts", "2",
                       "--checkpoint", f"file://{tmp}/ckpt-{name}", "--", PYTHON, JOB,
                       "--run-id", name, "--run-dir", str(run), "--max-steps", str(steps),
@@ -153,7 +153,7 @@ def test_resume_restores_every_component_from_memory_and_durable(tmp_path, jobs)
     assert {"scaler", "ema"} <= set(memory["digests"])
     assert_ranks_identical(run, 2)
 
-    job = jobs.start([HVD, "run", "--backend", "mpi", "--np", "2", "--run-id", "fp16",
+    job = jobs.start([HVD, "run", "--launcher", "mpi", "--np", "2", "--run-id", "fp16",
                       "--run-dir", str(run), "--checkpoint", f"file://{tmp_path}/ckpt-fp16",
                       "--", PYTHON, JOB, "--run-id", "fp16", "--run-dir", str(run),
                       "--max-steps", "60", "--batch-size", "8", "--commit-every", "5",
@@ -177,7 +177,7 @@ def test_deterministic_recipe_killed_and_resumed_ends_bit_identical(tmp_path, jo
     for name, fault in (("ref", ""), ("killed", "kill:rank=1:step=23")):
         run = tmp_path / name
         env = jobs.env(HVD_RESILIENT_FAULT=fault) if fault else jobs.env()
-        job = jobs.start([HVD, "run", "--backend", "torchrun", "--np", "2", "--run-id", name,
+        job = jobs.start([HVD, "run", "--launcher", "torchrun", "--np", "2", "--run-id", name,
                           "--run-dir", str(run), "--checkpoint", f"file://{tmp_path}/c-{name}",
                           "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
                           "--torchrun-restarts", "2", "--", PYTHON, JOB, "--run-id", name,

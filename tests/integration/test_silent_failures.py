@@ -104,7 +104,7 @@ def _restart_job(tmp_path, jobs, backend: str, fault: str, *train: str):
     run = tmp_path / "run"
     extra = (["--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
              if backend == "torchrun" else [])
-    job = jobs.start([HVD, "run", "--backend", backend, "--np", "2", *extra, "--run-id", "run",
+    job = jobs.start([HVD, "run", "--launcher", backend, "--np", "2", *extra, "--run-id", "run",
                       "--run-dir", str(run), "--max-restarts", "2", "--", PYTHON, DIGITS,
                       *COMMON, *train], env=jobs.env(HVD_RESILIENT_FAULT=fault), name=backend)
     assert job.wait(300) == 0, job.output()[-3000:]
@@ -204,7 +204,7 @@ def test_a_frozen_worker_on_another_node_does_not_hold_the_restart(tmp_path, job
     endpoint = f"127.0.0.1:{free_port()}"
 
     def node(i: int) -> list[str]:
-        cmd = [HVD, "run", "--backend", "torchrun", "--np", "1", "--nnodes", "2",
+        cmd = [HVD, "run", "--launcher", "torchrun", "--np", "1", "--nnodes", "2",
                "--rdzv-endpoint", endpoint, "--run-id", "run", "--run-dir", str(run),
                "--max-restarts", "2", "--", PYTHON, DIGITS, *COMMON]
         return cmd if i == 0 else ["unshare", "--uts", "sh", "-c",

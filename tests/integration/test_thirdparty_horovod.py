@@ -59,7 +59,7 @@ def start(tmp_path: Path, jobs, name: str, *, epochs: int, hosts: str = "localho
     script = prepare("horovod_elastic", tmp_path / "script", ("port.patch", "cpu.patch"))
     run = tmp_path / "run"
     hosts_file, discover = write_discovery(tmp_path, hosts)
-    cmd = [str(VENV_BIN / "hvd-resilient"), "run", "--backend", "horovod",
+    cmd = [str(VENV_BIN / "hvd-resilient"), "run", "--launcher", "horovod",
            "--discovery", str(discover), "--np", "3", "--min-np", "1", "--max-np", "4",
            "--network-interface", "lo", "--run-id", name, "--run-dir", str(run),
            "--max-restarts", str(max_restarts), *run_args,

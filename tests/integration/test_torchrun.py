@@ -25,7 +25,7 @@ COMMON = ["--epochs", "6", "--checkpoint-every", "20", "--seed", "5"]
 
 def launch(jobs, run: Path, *extra: str, env: dict | None = None):
     return jobs.start(
-        [HVD, "run", "--backend", "torchrun", "--np", "2", "--nnodes", "1:2",
+        [HVD, "run", "--launcher", "torchrun", "--np", "2", "--nnodes", "1:2",
          "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--run-id", run.name,
          "--run-dir", str(run), *extra, "--", PYTHON, DIGITS, *COMMON],
         env=env, name=run.name,
@@ -81,7 +81,7 @@ def test_torchrun_warm_forks_workers_with_imports_done(tmp_path, jobs, fork):
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
     job = jobs.start(
-        [PYTHON, "-m", "hvd_resilient.launch.torchrun_warm", "--nnodes", "1",
+        [PYTHON, "-m", "hvd_resilient.launch.warm.torchrun", "--nnodes", "1",
          "--nproc-per-node", "2", "--rdzv-backend", "c10d",
          "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(script), "--x", "1"],
         env=jobs.env(PROBE_DIR=str(tmp_path), HVD_RESILIENT_TORCHRUN_FORK=fork),

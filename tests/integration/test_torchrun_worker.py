@@ -39,7 +39,7 @@ def test_survivors_blocked_in_a_collective_end_at_once(tmp_path, jobs, fork):
     script = tmp_path / "blocked.py"
     script.write_text(BLOCKED)
     job = jobs.start(
-        [PYTHON, "-m", "hvd_resilient.launch.torchrun_warm", "--nproc-per-node", "3",
+        [PYTHON, "-m", "hvd_resilient.launch.warm.torchrun", "--nproc-per-node", "3",
          "--max-restarts", "0", "--rdzv-backend", "c10d",
          "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(script)],
         env=jobs.env(HVD_RESILIENT_TORCHRUN_FORK=fork), name=f"blocked-{fork}")

@@ -62,7 +62,7 @@ def test_digits_trains_under_torchrun_survives_a_kill_and_checkpoints(
     env = jobs.env(HVD_RESILIENT_FAULT="kill:rank=1:step=30")
     env["PATH"] = f"{bare_venv / 'bin'}:{env['PATH']}"
     env.pop("PYTHONPATH", None)  # the installed package, not the checkout
-    job = jobs.start([str(bare_venv / "bin/hvd-resilient"), "run", "--backend", "torchrun",
+    job = jobs.start([str(bare_venv / "bin/hvd-resilient"), "run", "--launcher", "torchrun",
                       "--np", "2", "--run-id", "bare", "--run-dir", str(run),
                       "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
                       "--torchrun-restarts", "2", "--", str(bare_venv / "bin/python"),
@@ -85,7 +85,7 @@ def test_digits_recovers_in_place_from_a_kill_without_horovod(
     env = jobs.env(HVD_RESILIENT_FAULT="kill:rank=2:step=30")
     env["PATH"] = f"{bare_venv / 'bin'}:{env['PATH']}"
     env.pop("PYTHONPATH", None)
-    job = jobs.start([str(bare_venv / "bin/hvd-resilient"), "run", "--backend", "inplace",
+    job = jobs.start([str(bare_venv / "bin/hvd-resilient"), "run", "--launcher", "inplace",
                       "--np", "3", "--run-id", "bare-ip", "--run-dir", str(run), "--",
                       str(bare_venv / "bin/python"), str(ROOT / "examples/digits.py"),
                       "--run-id", "bare-ip", "--run-dir", str(run), "--epochs", "3",

@@ -7,8 +7,8 @@ import logging
 import signal
 import sys
 
-from hvd_resilient.launch.horovod import standby
-from hvd_resilient.launch.horovod.warm_pool_server import Pool
+from hvd_resilient.launch.warm import standby
+from hvd_resilient.launch.warm.pool_server import Pool
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO)  # as the real pool: the workers must not inherit it

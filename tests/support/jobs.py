@@ -77,7 +77,7 @@ def launchers_of(supervisor_pid: int) -> list[psutil.Process]:
     (`launch/job_guard.py`), not its warm pool."""
     return [k for k in psutil.Process(supervisor_pid).children()
             if not any(m in " ".join(k.cmdline())
-                       for m in ("hvd_resilient.launch.job_guard", "warm_pool_server"))]
+                       for m in ("hvd_resilient.launch.job_guard", "warm.pool_server"))]
 
 
 def marked_processes(marker: str) -> list[psutil.Process]:

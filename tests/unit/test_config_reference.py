@@ -8,7 +8,7 @@ import re
 from hvd_resilient import reference
 from hvd_resilient.config import settings
 from hvd_resilient.launch.cli import build_parser
-from hvd_resilient.launch.run_options import RUN
+from hvd_resilient.launch.run_settings import RUN
 from tests.support.paths import ROOT
 
 PAGE = (ROOT / "docs" / "configuration.md").read_text()

@@ -18,7 +18,7 @@ from hvd_resilient.checkpoint import stores
 from hvd_resilient.config import SCHEMA, RecoveryOptions, TrainConfig, settings
 from hvd_resilient.errors import ConfigError
 from hvd_resilient.launch import cli
-from hvd_resilient.launch.run_options import RUN
+from hvd_resilient.launch.run_settings import RUN
 from tests.support.paths import ROOT
 
 
@@ -111,33 +111,37 @@ def test_a_bad_value_names_its_source_in_one_line(tmp_path):
 
 
 # -- hvd-resilient run: the same machinery ---------------------------------------------------
-def _resolve(argv: list[str]) -> dict:
-    parser = cli.build_parser()
-    return cli.resolve(parser.parse_args(argv), parser)
+def _resolve(argv: list[str]):
+    return cli.resolve(cli.build_parser().parse_args(argv))
 
 
 def test_run_options_defaults_file_then_flags(tmp_path):
-    defaults = _resolve(["--", "python", "t.py"])
-    assert {k: defaults[k] for k in ("launcher", "np", "max_restarts", "slot_hosts",
-                                     "blacklist_cooldown_range")} == {
-        "launcher": "horovod", "np": 2, "max_restarts": 3, "slot_hosts": True,
-        "blacklist_cooldown_range": (10, 30)}
+    defaults, launcher = _resolve(["--", "python", "t.py"])
+    assert (launcher.name, defaults.np, defaults.max_restarts, launcher.own.slot_hosts,
+            launcher.own.blacklist_cooldown_range) == ("horovod", 2, 3, True, (10, 30))
     f = tmp_path / "run.yaml"
-    f.write_text("np: 3\nbackend: mpi\nmax-restarts: 5\nno_slot_hosts: true\n"
+    f.write_text("np: 3\nlauncher: horovod\nmax-restarts: 5\nno_slot_hosts: true\n"
                  "blacklist_cooldown_range: [1, 2]\ncommand: python train.py --epochs 2\n")
-    opts = _resolve(["--config", str(f)])
-    assert (opts["np"], opts["launcher"], opts["max_restarts"], opts["slot_hosts"],
-            opts["blacklist_cooldown_range"], opts["command"]) == (
-        3, "mpi", 5, False, (1, 2), [sys.executable, "train.py", "--epochs", "2"])
-    opts = _resolve(["--config", str(f), "--np", "4", "--slot-hosts", "--", "python", "x.py"])
+    opts, launcher = _resolve(["--config", str(f)])
+    assert (opts.np, launcher.name, opts.max_restarts, launcher.own.slot_hosts,
+            launcher.own.blacklist_cooldown_range, opts.command) == (
+        3, "horovod", 5, False, (1, 2), [sys.executable, "train.py", "--epochs", "2"])
+    opts, launcher = _resolve(["--config", str(f), "--np", "4", "--slot-hosts", "--", "python",
+                               "x.py"])
     # a bare `python` is this environment's interpreter (launch/interpreter.py)
-    assert (opts["np"], opts["slot_hosts"], opts["command"]) == (4, True, [sys.executable, "x.py"])
+    assert (opts.np, launcher.own.slot_hosts, opts.command) == (4, True, [sys.executable, "x.py"])
+    # a launcher's own options may be grouped under its name in a file
+    f.write_text("launcher: torchrun\ntorchrun: {nnodes: '1:2', torchrun-restarts: 0}\n")
+    opts, launcher = _resolve(["--config", str(f), "--", "python", "x.py"])
+    assert (launcher.name, launcher.own.nnodes, launcher.own.torchrun_restarts) == (
+        "torchrun", "1:2", 0)
 
 
 @pytest.mark.parametrize("text, says", [
     ("np: three\n", "np must be a whole number, got 'three'"),
     ("np: true\n", "np must be a whole number, got True"),
-    ("backend: slurm\n", "backend must be one of horovod, mpi, torchrun, inplace, got 'slurm'"),
+    ("launcher: slurm\n", "launcher must be one of horovod, mpi, torchrun, inplace, got 'slurm'"),
+    ("backend: mpi\n", "unknown field backend"),
     ("blacklist_cooldown_range: 5\n", "blacklist_cooldown_range must be a list of two numbers"),
     ("command: {a: 1}\n", "command must be a list of words or one string"),
     ("dry_run: maybe\n", "dry_run must be true or false, got 'maybe'"),

@@ -135,13 +135,14 @@ def matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
 
 def run_options(cmd: list[str]):
     """The driver's arguments parsed by the real `hvd-resilient run` parser, typed as it
-    types them (`RunOptions`)."""
+    types them (`RunSettings`: `.launcher`, `.run` the options every launcher is handed,
+    `.horovod` the Horovod launcher's own)."""
     from hvd_resilient.launch.cli import build_parser
-    from hvd_resilient.launch.run_options import RUN
+    from hvd_resilient.launch.run_settings import RUN
 
     assert cmd[0] == "driver", f"the launcher runs the entrypoint's driver mode: {cmd}"
     opts = RUN.build(RUN.read(args=build_parser().parse_args(cmd[1:])))
-    train = opts.command[1:] if opts.command[:1] == ["--"] else opts.command
+    train = opts.run.command[1:] if opts.run.command[:1] == ["--"] else opts.run.command
     return opts, train
 
 
@@ -422,15 +423,16 @@ def test_compose_driver_command():
     driver = svcs["driver"]
     cmd = [interpolate(a) for a in driver["command"]]
     opts, train = run_options(cmd)
-    assert opts.launcher == "horovod" and opts.network_interface == "eth0"
-    assert opts.discovery == "/shared/discover.sh"
+    assert opts.launcher == "horovod" and opts.horovod.network_interface == "eth0"
+    assert opts.horovod.discovery == "/shared/discover.sh"
     # `entrypoint.sh setup` puts docker/discover.sh there, on the volume mounted at /shared.
     assert '"$SHARED/discover.sh"' in ENTRYPOINT.read_text()
     assert 'SHARED="${HVD_SHARED_DIR:-/shared}"' in ENTRYPOINT.read_text()
     assert "/discovery/hostfile" in (DOCKER / "discover.sh").read_text()
     assert "/discovery/health-filter" in (DOCKER / "discover.sh").read_text()
-    assert opts.min_np <= opts.np <= opts.max_np and opts.np == len(DEFAULT_WORKERS)
-    assert opts.max_np >= len(DEFAULT_WORKERS) + 1, "room for the spare worker"
+    assert opts.run.min_np <= opts.run.np <= opts.run.max_np
+    assert opts.run.np == len(DEFAULT_WORKERS)
+    assert opts.run.max_np >= len(DEFAULT_WORKERS) + 1, "room for the spare worker"
     check_train_command(train)
     deps = driver["depends_on"]
     for name in (*DEFAULT_WORKERS, "seaweedfs"):
@@ -480,7 +482,7 @@ def test_k8s_discovery_selector_matches_workers_only():
     assert env_value(init, "HVD_RESILIENT_K8S_SELECTOR") == env_value(
         launcher(), "HVD_RESILIENT_K8S_SELECTOR")
     opts, _ = run_options(launcher()["args"])
-    assert int(env_value(init, "MIN_HOSTS")) == opts.min_np
+    assert int(env_value(init, "MIN_HOSTS")) == opts.run.min_np
     assert "/opt/hvd_resilient/discovery/kubernetes" in " ".join(init["args"])
     # Every discovery variable set is one the script reads.
     source = (ROOT / "hvd_resilient" / "discovery" / "kubernetes.py").read_text()
@@ -527,13 +529,13 @@ def test_k8s_rbac_lets_the_launcher_list_pods():
 def test_k8s_launcher_command_and_paths():
     c = launcher()
     opts, train = run_options(c["args"])
-    assert opts.launcher == "horovod" and opts.network_interface == "eth0"
+    assert opts.launcher == "horovod" and opts.horovod.network_interface == "eth0"
     app = dockerfile_env()[2]["APP_DIR"]
-    assert opts.discovery.startswith(app + "/")
-    script = ROOT / opts.discovery[len(app) + 1:]
+    assert opts.horovod.discovery.startswith(app + "/")
+    script = ROOT / opts.horovod.discovery[len(app) + 1:]
     assert script.is_file() and os.access(script, os.X_OK), script
-    assert opts.min_np <= opts.np <= opts.max_np
-    assert opts.np <= worker_set()["spec"]["replicas"]
+    assert opts.run.min_np <= opts.run.np <= opts.run.max_np
+    assert opts.run.np <= worker_set()["spec"]["replicas"]
     check_train_command(train)
     # ssh key from the Secret at HVD_SSH_DIR, for the launcher and the workers alike.
     for pod, cont in ((launcher_pod(), c), (worker_set()["spec"]["template"], worker_container())):

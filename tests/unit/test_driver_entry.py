@@ -23,12 +23,36 @@ def test_options_are_read_from_the_environment_and_horovodruns_arguments():
     assert DriverOptions.read({"HVD_RESILIENT_STANDBY": "1"}).standby is True
 
 
-@pytest.mark.parametrize("bad", ["fast", "0", "-1", "0.01", "7200", "nan"])
+@pytest.mark.parametrize("bad", ["0", "-1", "0.01", "7200", "nan"])
 def test_a_bad_discovery_interval_is_one_line(bad):
     with pytest.raises(LaunchError) as e:
         DriverOptions.read({"HVD_RESILIENT_DISCOVERY_INTERVAL": bad})
-    assert str(e.value) == (f"HVD_RESILIENT_DISCOVERY_INTERVAL={bad!r} must be seconds between "
-                            "0.05 and 3600 (unset it for Horovod's 1 s)")
+    assert str(e.value) == (f"horovod driver: discovery_interval must be seconds between 0.05 "
+                            f"and 3600, got {bad!r} (from HVD_RESILIENT_DISCOVERY_INTERVAL; "
+                            "unset it for Horovod's 1 s)")
+    with pytest.raises(LaunchError) as e:
+        DriverOptions.read({"HVD_RESILIENT_DISCOVERY_INTERVAL": "fast"})
+    assert str(e.value) == ("horovod driver: discovery_interval must be a number, got 'fast' "
+                            "(from HVD_RESILIENT_DISCOVERY_INTERVAL)")
+
+
+def test_the_switches_are_declared_once_for_the_run_flags_and_the_drivers_environment():
+    """`hvd-resilient run` hands each switch to the driver as the variable the driver reads
+    back: the default writes none, every other value reads back as itself."""
+    from hvd_resilient.launch.horovod.options import DriverSwitches, driver_env
+
+    assert driver_env(DriverSwitches()) == {}
+    switches = DriverSwitches(slot_hosts=False, standby_workers=False, warm_pool=True,
+                              discovery_interval=0.25, discovery_watch="/h/hosts.txt")
+    env = driver_env(switches)
+    assert env == {"HVD_RESILIENT_SLOT_HOSTS": "0", "HVD_RESILIENT_STANDBY": "0",
+                   "HVD_RESILIENT_WARM_POOL": "1", "HVD_RESILIENT_DISCOVERY_INTERVAL": "0.25",
+                   "HVD_RESILIENT_DISCOVERY_WATCH": "/h/hosts.txt"}
+    assert DriverOptions.read(env) == DriverOptions(
+        slot_hosts=False, standby=False, warm_pool=True, discovery_interval_s=0.25,
+        discovery_watch="/h/hosts.txt")
+    with pytest.raises(LaunchError, match="slot_hosts must be true or false, got 'maybe'"):
+        DriverOptions.read({"HVD_RESILIENT_SLOT_HOSTS": "maybe"})
 
 
 def test_the_entry_point_turns_a_launch_error_into_one_line_and_its_exit_code(
@@ -38,8 +62,8 @@ def test_the_entry_point_turns_a_launch_error_into_one_line_and_its_exit_code(
         driver.main(["-np", "1", "true"])  # stops before any patch is installed
     assert e.value.code == LaunchError.exit_code
     assert capsys.readouterr().err == (
-        "hvd-resilient: launcher: HVD_RESILIENT_DISCOVERY_INTERVAL='fast' must be seconds "
-        "between 0.05 and 3600 (unset it for Horovod's 1 s)\n")
+        "hvd-resilient: launcher: horovod driver: discovery_interval must be a number, got "
+        "'fast' (from HVD_RESILIENT_DISCOVERY_INTERVAL)\n")
 
 
 def failing_launcher(monkeypatch, error: Exception) -> None:

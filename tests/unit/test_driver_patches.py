@@ -372,7 +372,7 @@ def test_only_a_command_of_this_python_runs_through_the_standby_worker():
     assert not patch.wrapped and seen["run"] == [["/bin/sh", "train.sh"]]
     patch.run_elastic(SimpleNamespace(command=[sys.executable, "train.py"]))
     assert patch.wrapped
-    assert seen["run"][1] == [sys.executable, "-m", "hvd_resilient.launch.horovod.standby",
+    assert seen["run"][1] == [sys.executable, "-m", "hvd_resilient.launch.warm.standby",
                               sys.executable, "train.py"]
 
 

@@ -16,32 +16,31 @@ from hvd_resilient import backends
 from hvd_resilient.backends.inplace import membership
 from hvd_resilient.errors import ConfigError
 from hvd_resilient.launch import inplace_agent
-from hvd_resilient.launch.cli import build_parser, launcher_command, resolve
+from hvd_resilient.launch.cli import build_parser, resolve
 
 
 def command(*argv: str) -> list[str]:
-    parser = build_parser()
-    opts = resolve(parser.parse_args([*argv, "--", "python", "t.py"]), parser)
-    return launcher_command(opts, [])
+    opts, launcher = resolve(build_parser().parse_args([*argv, "--", "python", "t.py"]))
+    return launcher.command(opts, [])
 
 
 def test_run_builds_the_agent_command_line_with_its_sizes():
-    cmd = command("--backend", "inplace", "--np", "4", "--min-np", "2")
+    cmd = command("--launcher", "inplace", "--np", "4", "--min-np", "2")
     line = " ".join(cmd)
     # a bare `python` is this environment's interpreter (launch/interpreter.py)
     assert f"-m hvd_resilient.launch.inplace_agent --nproc 4 --min-np 2 -- {sys.executable} t.py" \
         in line
-    assert "--replace --" in " ".join(command("--backend", "inplace", "--replace"))
-    with pytest.raises(ConfigError, match="runs its workers on this machine"):
-        command("--backend", "inplace", "--hosts", "h1:2")
-    with pytest.raises(ConfigError, match="--replace is the inplace launcher's"):
-        command("--backend", "torchrun", "--replace")
+    assert "--replace --" in " ".join(command("--launcher", "inplace", "--replace"))
+    with pytest.raises(ConfigError, match="--hosts applies to --launcher horovod or mpi only"):
+        command("--launcher", "inplace", "--hosts", "h1:2")
+    with pytest.raises(ConfigError, match="--replace applies to --launcher inplace only"):
+        command("--launcher", "torchrun", "--replace")
     assert f"--nproc 4 --min-np 1 --standby 2 -- {sys.executable} t.py" in " ".join(
-        command("--backend", "inplace", "--np", "4", "--standby", "2"))
-    with pytest.raises(ConfigError, match="--standby is the inplace launcher's"):
-        command("--backend", "horovod", "--standby", "1")
+        command("--launcher", "inplace", "--np", "4", "--standby", "2"))
+    with pytest.raises(ConfigError, match="--standby applies to --launcher inplace only"):
+        command("--launcher", "horovod", "--standby", "1")
     with pytest.raises(ConfigError, match="--standby must be >= 0"):
-        command("--backend", "inplace", "--standby", "-1")
+        command("--launcher", "inplace", "--standby", "-1")
 
 
 def test_workers_find_the_backend_from_the_agents_variable():

@@ -7,13 +7,12 @@ from __future__ import annotations
 import pytest
 
 from hvd_resilient.errors import ConfigError
-from hvd_resilient.launch.cli import build_parser, launcher_command, resolve
+from hvd_resilient.launch.cli import build_parser, resolve
 
 
 def command(*argv: str) -> list[str]:
-    parser = build_parser()
-    opts = resolve(parser.parse_args([*argv, "--", "python", "t.py"]), parser)
-    return launcher_command(opts, [])
+    opts, launcher = resolve(build_parser().parse_args([*argv, "--", "python", "t.py"]))
+    return launcher.command(opts, [])
 
 
 def test_hosts_with_min_np_is_an_elastic_job_on_those_hosts():

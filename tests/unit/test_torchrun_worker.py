@@ -1,5 +1,5 @@
 """The preparation of our torchrun workers (`launch/torchrun_worker.py`,
-`launch/torchrun_round_store.py`, `launch/torchrun_warm.worker_args`), in this process."""
+`launch/torchrun_round_store.py`, `launch/warm/torchrun.worker_args`), in this process."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import api
 
-from hvd_resilient.launch import torchrun_round_store, torchrun_warm, torchrun_worker
+from hvd_resilient.launch import torchrun_round_store, torchrun_worker
+from hvd_resilient.launch.warm import torchrun as torchrun_warm
 
 rendezvous = importlib.import_module("torch.distributed.rendezvous")
 

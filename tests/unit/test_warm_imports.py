@@ -11,7 +11,7 @@ from tests.support.paths import ROOT
 
 PROBE = textwrap.dedent("""
     import gc, torch
-    from hvd_resilient.launch.warm_imports import settle_heap
+    from hvd_resilient.launch.warm.imports import settle_heap
     before = gc.get_freeze_count()
     settle_heap()
     frozen = gc.get_freeze_count()

@@ -1,4 +1,4 @@
-"""The warm pool (launch/horovod/warm_pool*.py): a worker forked from it must be, to whoever
+"""The warm pool (launch/warm/pool*.py): a worker forked from it must be, to whoever
 launched it, the process a cold start would have been: its streams, folder, environment and
 arguments; its exit code and its death by a signal; signals passed on; dead when its launch
 process dies. Real processes on a real Unix socket; workers run their command at once
@@ -18,12 +18,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from hvd_resilient.launch.horovod import warm_pool
+from hvd_resilient.launch.warm import pool as warm_pool
 from tests.support.jobs import wait_for
 from tests.support.paths import ROOT, SCRIPTS
 
 pytestmark = pytest.mark.timeout(60)
-CLIENT = ("import sys; from hvd_resilient.launch.horovod import warm_pool; "
+CLIENT = ("import sys; from hvd_resilient.launch.warm import pool as warm_pool; "
           "warm_pool.run_in_pool(sys.argv[1:]); print('started cold', flush=True)")
 
 
@@ -203,7 +203,7 @@ def test_a_launch_closing_after_its_worker_was_reaped_is_not_an_error(tmp_path):
     """One `select` can report a worker's exit and its launch's close together; the exit is
     handled first and reaps the worker. The close must then be nothing: it was a KeyError that
     ended the pool (CI, four launches exiting at once), and every later launch started cold."""
-    from hvd_resilient.launch.horovod.warm_pool_server import Pool
+    from hvd_resilient.launch.warm.pool_server import Pool
 
     pool = Pool(str(tmp_path / "p" / "warm-pool.sock"))
     try:

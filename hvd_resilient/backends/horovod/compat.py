@@ -80,7 +80,7 @@ WORKER_TARGETS = (
     ("horovod.common.exceptions", "HostsUpdatedInterrupt"),
     # a leaving worker asks the rendezvous for its slot as init does (`dropped_slot.py`)
     ("horovod.runner.elastic.rendezvous", "GET_RANK_AND_SIZE"),
-    # a standby's first init waits for its release (`launch/horovod/standby.py`)
+    # a standby's first init waits for its release (`launch/warm/standby.py`)
     ("horovod.common.basics", "HorovodBasics.init"),
     # --deterministic's ordered optimizer (`backends/horovod/ordered.py`)
     ("horovod.torch.optimizer", "_DistributedOptimizer._allreduce_grad_async"),

@@ -64,8 +64,8 @@ class TorchrunBackend(TorchDistBackend):
         if use_cuda:
             self.device = torch.device("cuda", int(env.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(self.device)
-        # the rendezvous round (every node agrees; torchrun_warm exports it), else this agent's
-        # restart count (right while no node joins later)
+        # the rendezvous round (every node agrees; launch/warm/torchrun.py exports it), else
+        # this agent's restart count (right while no node joins later)
         restart = env.get("HVD_RESILIENT_RDZV_ROUND") or env.get("TORCHELASTIC_RESTART_COUNT",
                                                                   "0")
         base = TCPStore(*self.coordinator, world_size=world, is_master=False,

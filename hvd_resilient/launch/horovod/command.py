@@ -1,4 +1,4 @@
-"""The `horovodrun` command line for an elastic job, with the flags that matter made explicit.
+"""The `horovodrun` command lines, elastic and static, with the flags that matter made explicit.
 
 Horovod's defaults are tuned for a cluster of many hosts; on one machine or a small cluster
 they hang (no `--network-interface`: it waits forever for a second host to detect interfaces)
@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 
 from hvd_resilient.errors import ConfigError
-from hvd_resilient.launch.commands import require
+from hvd_resilient.launch.executables import require
 
 
 @dataclass(kw_only=True)
@@ -86,3 +86,18 @@ def horovodrun_command(launch: ElasticLaunch, train_cmd: list[str]) -> list[str]
     if launch.reset_limit is not None:
         cmd += ["--reset-limit", str(launch.reset_limit)]
     return cmd + list(train_cmd)
+
+
+def horovodrun_static(np: int, hosts: str | None, network_interface: str | None,
+                      train_cmd: list[str]) -> list[str]:
+    """horovodrun's arguments for a static job (``hosts``: `h1:2,h2:2`, None: this machine),
+    run through `hvd_resilient.launch.horovod.driver` (Horovod's launcher in-process): a failed
+    worker ends in one line instead of the launcher's traceback, and in none when the worker
+    stopped on a fatal error it reported itself."""
+    require("horovodrun", "run `make install` or activate .venv")  # Horovod is installed
+    cmd = [sys.executable, "-m", "hvd_resilient.launch.horovod.driver", "-np", str(np), "--gloo"]
+    if hosts:
+        cmd += ["-H", hosts]
+    if network_interface:
+        cmd += ["--network-interface", network_interface]
+    return cmd + train_cmd

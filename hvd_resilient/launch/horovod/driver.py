@@ -1,11 +1,13 @@
 """`horovodrun`, taught what `patches/` lists: `python -m hvd_resilient.launch.horovod.driver ARGS`.
 
 Takes exactly `horovodrun`'s arguments and runs Horovod's own launcher in this process, after
-reading the switches once (`options.DriverOptions`: HVD_RESILIENT_SLOT_HOSTS,
-HVD_RESILIENT_STANDBY, HVD_RESILIENT_DISCOVERY_INTERVAL and _WATCH, the run folder, the ssh
-settings) and installing the patch families in their one order (`patches.ORDER`): the
-discovery interval, the discovery output checked, the watched hosts file, slot hosts, the fatal
-stop, standby workers, and the eviction of slots their peers found silent.
+reading the switches once (`options.DriverOptions`: the variables of the switches
+`options.DriverSwitches` declares, HVD_RESILIENT_SLOT_HOSTS, HVD_RESILIENT_STANDBY,
+HVD_RESILIENT_WARM_POOL, HVD_RESILIENT_DISCOVERY_INTERVAL and _WATCH, each also a flag of
+`hvd-resilient run`; the run folder; the ssh settings) and installing the patch families in
+their one order (`patches.ORDER`): the discovery interval, the discovery output checked, the
+watched hosts file, slot hosts, the fatal stop, standby workers, and the eviction of slots
+their peers found silent.
 
 What is left here is the launcher's last word: one line instead of its traceback, and
 nothing at all when a worker stopped on a fatal error (that worker recorded it;

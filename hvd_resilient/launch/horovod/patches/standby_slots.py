@@ -4,7 +4,7 @@ they are warm.
 Horovod starts the workers of an added host (or a slot back from its cooldown) only at the
 reset, so the whole world waits for their cold start (Python, torch, Horovod: 5-20 s). Here
 they are started as soon as discovery sees them, through the standby worker
-(`launch/horovod/standby.py`), which does its imports while the old world trains.
+(`launch/warm/standby.py`), which does its imports while the old world trains.
 
 Rank 0 is told of every discovery change as it is seen, warm-up or not: Horovod's contract is
 that rank 0 hears of a change within one discovery interval, and a script may wait for that
@@ -42,13 +42,13 @@ from typing import Any
 
 from hvd_resilient import event_names as ev
 from hvd_resilient.backends.horovod import compat, driver_kv
-from hvd_resilient.launch.horovod import standby as standby_worker
 from hvd_resilient.launch.horovod.patches.context import (
     PatchContext,
     PerObject,
     driver_method,
     slot_key,
 )
+from hvd_resilient.launch.warm import standby as standby_worker
 
 logger = logging.getLogger(__name__)
 
@@ -206,7 +206,7 @@ class Standby:
         is this very Python (anything else starts as given, cold)."""
         cmd = list(args.command or [])
         if cmd and standby_worker.same_python(cmd[0]):
-            args.command = [cmd[0], "-m", "hvd_resilient.launch.horovod.standby", *cmd]
+            args.command = [cmd[0], "-m", "hvd_resilient.launch.warm.standby", *cmd]
             self.wrapped = True
         pool = self.start_pool(cmd) if self.wrapped and self.ctx.options.warm_pool else None
         try:
@@ -219,7 +219,8 @@ class Standby:
         """The warm pool of this machine, before any worker starts: every local worker is
         forked from it, the first ones and those that join later alike (the first launch
         waits for its imports instead of doing them in each worker)."""
-        from hvd_resilient.launch.horovod import warm_pool, warm_pool_server
+        from hvd_resilient.launch.warm import pool as warm_pool
+        from hvd_resilient.launch.warm import pool_server as warm_pool_server
 
         if warm_pool.alive(os.environ.get(warm_pool.SOCKET_ENV, "")):
             # `hvd-resilient run` holds it across launches: a relaunched driver forks warm too

@@ -1,6 +1,6 @@
 """torchrun whose restarted workers skip the cold start.
 
-    python -m hvd_resilient.launch.torchrun_warm TORCHRUN_ARGS... script.py ARGS...
+    python -m hvd_resilient.launch.warm.torchrun TORCHRUN_ARGS... script.py ARGS...
 
 Takes exactly torchrun's arguments. After a worker dies, torchrun stops the round and starts
 every worker again as a new interpreter: measured here, ~4 s of a ~4.5 s restart went to
@@ -28,7 +28,7 @@ import sys
 from typing import Any
 
 from hvd_resilient.launch.torchrun_round_store import ROUND_ENV
-from hvd_resilient.launch.warm_imports import import_script_modules, settle_heap
+from hvd_resilient.launch.warm.imports import import_script_modules, settle_heap
 
 ENV = "HVD_RESILIENT_TORCHRUN_FORK"
 

@@ -8,11 +8,11 @@ its first `hvd.init()`; there it says it is ready through the driver's key-value
 waits for the driver's go (given when the new world is formed, which the driver holds back
 until the standby is ready), takes its rank from it and initializes. The script's own set-up
 (data, model, loader) is then done too. Where a warm pool serves the machine
-(`warm_pool.py`), the standby is forked from it instead, its imports done before it was asked
+(`pool.py`), the standby is forked from it instead, its imports done before it was asked
 for. Without a Horovod driver around (no rendezvous address), or when the command is not this
 Python, it just runs the command.
 
-    python -m hvd_resilient.launch.horovod.standby python train.py ARGS
+    python -m hvd_resilient.launch.warm.standby python train.py ARGS
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from hvd_resilient.launch.horovod import warm_pool
+from hvd_resilient.launch.warm import pool as warm_pool
 
 # Nothing else of the package at import: where a warm pool serves the machine this module is
 # only the stand-in of the forked worker (`main`), and each import here is in the launch of
@@ -35,8 +35,9 @@ MAX_WAIT_S = 900.0  # a standby never released (its host left again) exits quiet
 READY_AGAIN_S = 0.2
 """How often a waiting standby says READY again: a driver restarted in place of a dead one,
 or one whose store lost the key, hears it within this. The driver keeps a READY across its
-rendezvous, which clears the rest of its store (`patches/standby_slots.py`, `keeping_ready`): had
-the standby's next beat been waited for, it would be in the stall of every growth."""
+rendezvous, which clears the rest of its store (`launch/horovod/patches/standby_slots.py`,
+`keeping_ready`): had the standby's next beat been waited for, it would be in the stall of
+every growth."""
 
 
 GO_POLL_S, GO_POLL_FAST_FOR_S, GO_POLL_SLOW_S = 0.01, 10.0, 0.05
@@ -119,7 +120,7 @@ def released_run(cmd: list[str]) -> None:
 def wait_for_release(key: str) -> None:
     """Says READY until the driver's go, then takes rank and sizes from it."""
     from hvd_resilient.backends.horovod.driver_kv import GO, READY, get, put, url
-    from hvd_resilient.launch.warm_imports import settle_heap
+    from hvd_resilient.launch.warm.imports import settle_heap
 
     settle_heap()  # the script's set-up is done: before READY, not in the reset
     go = url(GO, key)
@@ -161,7 +162,7 @@ def hold_init_until(released: Callable[[], None]) -> None:
 def main() -> None:
     cmd = sys.argv[1:]
     if not cmd:
-        sys.exit("usage: python -m hvd_resilient.launch.horovod.standby COMMAND [ARGS]")
+        sys.exit("usage: python -m hvd_resilient.launch.warm.standby COMMAND [ARGS]")
     if "HOROVOD_GLOO_RENDEZVOUS_ADDR" not in os.environ or not runnable_here(cmd):
         os.execvp(cmd[0], cmd)
     warm_pool.run_in_pool(cmd)  # exits when a pool on this machine forked the standby

@@ -1,12 +1,12 @@
 """An mpirun rank forked from a warm process: a relaunch without the cold start.
 
-    mpirun ... python -m hvd_resilient.launch.mpi_warm python train.py ARGS
+    mpirun ... python -m hvd_resilient.launch.warm.mpirun python train.py ARGS
 
 mpirun cannot lose a rank: one dead rank ends the job, and `hvd-resilient run` relaunches it
 from the last commit. Measured here (2 ranks, examples/digits.py), 2.8 s of the 5.3 s from a
 kill to the first step went to the relaunched ranks importing torch, Horovod and the script's
 libraries. `hvd-resilient run --launcher mpi` therefore starts a warm pool on its machine
-(`launch/horovod/warm_pool_server.py`, asked in "script" mode: the script runs at once,
+(`warm/pool_server.py`, asked in "script" mode: the script runs at once,
 with no standby wait) before the first launch, and mpirun starts each rank through this module: a
 stdlib-only stand-in that hands the pool its command, environment, folder and standard
 streams, and then stands in for the forked rank until it ends (signals passed on, its exit
@@ -24,8 +24,8 @@ import os
 import sys
 from collections.abc import Mapping
 
-from hvd_resilient.launch.horovod import warm_pool
-from hvd_resilient.launch.horovod.standby import runnable_here
+from hvd_resilient.launch.warm import pool as warm_pool
+from hvd_resilient.launch.warm.standby import runnable_here
 
 ENV = "HVD_RESILIENT_MPI_WARM"
 """`0`: `hvd-resilient run --launcher mpi` starts no pool, and every rank starts cold."""
@@ -39,13 +39,13 @@ def wrap(train_cmd: list[str]) -> list[str]:
     """The rank's command under mpirun: through this module when the pool can serve it."""
     if not runnable_here(train_cmd) or train_cmd[1] == "-m":
         return train_cmd
-    return [sys.executable, "-m", "hvd_resilient.launch.mpi_warm", *train_cmd]
+    return [sys.executable, "-m", "hvd_resilient.launch.warm.mpirun", *train_cmd]
 
 
 def main() -> None:
     cmd = sys.argv[1:]
     if not cmd:
-        sys.exit("usage: python -m hvd_resilient.launch.mpi_warm python train.py [ARGS]")
+        sys.exit("usage: python -m hvd_resilient.launch.warm.mpirun python train.py [ARGS]")
     if enabled(os.environ):
         warm_pool.run_in_pool(cmd, "script")  # exits as the forked rank did, when a pool served it
     os.execvp(cmd[0], cmd)

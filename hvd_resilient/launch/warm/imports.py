@@ -2,7 +2,7 @@
 
 A worker's cold start is mostly imports (torch, torch._dynamo, the script's own libraries:
 sklearn took 2-17 s under load). The launchers that fork workers from a warm process (torchrun
-with `torchrun_warm`, the Horovod warm pool) import the script's modules first, read from its
+with `warm/torchrun.py`, the warm pool) import the script's modules first, read from its
 syntax tree without running it.
 """
 

@@ -1,13 +1,13 @@
 """The warm pool: one process per machine that imported what a worker needs, forking standbys.
 
-    python -m hvd_resilient.launch.horovod.warm_pool_server [--socket PATH] [-- COMMAND...]
+    python -m hvd_resilient.launch.warm.pool_server [--socket PATH] [-- COMMAND...]
 
 It imports what a standby imports (torch, torch._dynamo, Horovod, ours) and, given the
 training command, what its script imports; then it listens on a Unix socket only its own user
-may use. Each launch that connects (`warm_pool.py`, the launch side) hands over its command,
+may use. Each launch that connects (`pool.py`, the launch side) hands over its command,
 environment, folder and standard streams; the pool forks a child that takes them on and runs
 the standby's wait-for-release and the script, or the script at once when the launch asks for
-it (an mpirun rank, `launch/mpi_warm.py`), with nothing left to import.
+it (an mpirun rank, `warm/mpirun.py`), with nothing left to import.
 
 Why fork and not a pool of idle workers: a fork costs a few milliseconds and any number of
 slots can be served, the workers share the imported pages, and no worker exists for a world
@@ -38,16 +38,17 @@ import time
 import traceback
 from collections.abc import Callable
 
-from hvd_resilient.launch.horovod import standby, warm_pool
+from hvd_resilient.launch.warm import pool as warm_pool
+from hvd_resilient.launch.warm import standby
 from hvd_resilient.launcher_env import FORKED_ENV
 
-logger = logging.getLogger("hvd_resilient.launch.horovod.warm_pool_server")  # run as __main__
+logger = logging.getLogger("hvd_resilient.launch.warm.pool_server")  # run as __main__
 
 HEADER_TIMEOUT_S = 5.0
 
 
 def warm_up(cmd: list[str]) -> None:
-    from hvd_resilient.launch.warm_imports import import_script_modules, settle_heap
+    from hvd_resilient.launch.warm.imports import import_script_modules, settle_heap
 
     standby.warm_up()
     if len(cmd) >= 2 and not cmd[1].startswith("-"):
@@ -282,7 +283,7 @@ class Started:
         self.path = os.path.join(self.folder, "warm-pool.sock")
         parent = os.getpid()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hvd_resilient.launch.horovod.warm_pool_server", "--quiet",
+            [sys.executable, "-m", "hvd_resilient.launch.warm.pool_server", "--quiet",
              "--socket", self.path, "--", *cmd],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             preexec_fn=lambda: die_with_parent(parent))
@@ -308,8 +309,25 @@ class Started:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+def hold(cmd: list[str], env: dict[str, str]) -> Started | None:
+    """This machine's warm pool, held by `hvd-resilient run` across launches: mpirun relaunches
+    every rank after a failure, and a relaunched horovodrun driver every worker; both fork this
+    machine's ranks from it with their imports done (`warm/mpirun.py`, the standby stand-in).
+    Held by the driver, Horovod's pool died with it, and a relaunch started cold. Ready before
+    the first launch: its imports are the ones the ranks would do, once. Its socket goes into
+    ``env`` (mpirun forwards it with -x; the driver's environment has it). None: a pool that
+    did not come up (the ranks start cold). Whether a launch wants one at all is its
+    launcher's call (`Launcher.wants_warm_pool`)."""
+    pool = Started(cmd)
+    if not pool.wait_ready():
+        pool.stop()
+        return None
+    env[warm_pool.SOCKET_ENV] = pool.path
+    return pool
+
+
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m hvd_resilient.launch.horovod.warm_pool_server",
+    p = argparse.ArgumentParser(prog="python -m hvd_resilient.launch.warm.pool_server",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--socket", default=warm_pool.default_socket(),
                    help="where to listen (default: %(default)s, where launches look)")

@@ -2,7 +2,7 @@
 
 A standby worker hides its cold start (Python, torch, Horovod, the script's libraries: 15-20 s
 on these two busy cores) behind the old world's training, but the new world still waits for
-it. A warm pool (`warm_pool_server.py`) is a process on the machine that has done those
+it. A warm pool (`pool_server.py`) is a process on the machine that has done those
 imports once and forks a standby for each launch that asks: the newcomer is ready in a tenth
 of a second. `hvd-resilient run --warm-pool` starts one on the launch machine; a host that
 joins later has one when it starts it at boot (docs/architecture.md).
@@ -134,7 +134,7 @@ def run_in_pool(cmd: list[str], mode: str = "standby") -> None:
     """Has a pool on this machine fork the worker for `cmd` and exits as it does; returns
     when there is none, or it would not take this command (another Python), so that the
     caller starts cold. ``mode``: "standby" (it waits for the Horovod driver's go at its
-    first init) or "script" (it runs at once: an mpirun rank, `launch/mpi_warm.py`)."""
+    first init) or "script" (it runs at once: an mpirun rank, `warm/mpirun.py`)."""
     for path in candidates(os.environ):
         sock = connect(path)
         if sock is None:

@@ -1,0 +1,60 @@
+"""`--hosts h1:2,h2:2`: parsed and checked once, before any launcher sees it.
+
+The hostnames go to ssh (Horovod's and mpirun's), so they are validated here; and a host that
+cannot be reached would make the launcher hang or print pages of ssh errors, so it is probed
+first, with one line for what failed.
+"""
+
+from __future__ import annotations
+
+import socket
+
+from hvd_resilient.errors import ConfigError, LaunchError
+
+
+def parse_hosts(spec: str) -> list[tuple[str, int]]:
+    """`h1:2,h2` -> [("h1", 2), ("h2", 1)]; hostnames go to ssh, so they are validated here."""
+    from hvd_resilient.discovery.validate import validate_hostname
+
+    out = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        host, _, slots = part.partition(":")
+        if not host or not (slots or "1").isdigit() or int(slots or 1) < 1:
+            raise ConfigError(f"run: --hosts entry {part!r} must look like host:slots")
+        try:
+            validate_hostname(host)
+        except ValueError as e:
+            raise ConfigError(f"run: --hosts: {e}") from None
+        out.append((host, int(slots or 1)))
+    return out
+
+
+def hosts_arg(hosts: list[tuple[str, int]]) -> str:
+    """The launchers' own spelling (`-H h1:2,h2:1`)."""
+    return ",".join(f"{h}:{n}" for h, n in hosts)
+
+
+def _is_local(host: str) -> bool:
+    """Horovod's rule: local (started without ssh) iff the name resolves to an address of a
+    local interface; 127.0.0.2 is not one unless it was added to lo."""
+    import psutil
+
+    try:
+        addrs = {i[4][0] for i in socket.getaddrinfo(host, None, socket.AF_INET)}
+    except OSError:
+        return False
+    local = {a.address for nic in psutil.net_if_addrs().values() for a in nic
+             if a.family == socket.AF_INET}
+    return bool(addrs) and addrs <= local
+
+
+def check_hosts_reachable(hosts: list[tuple[str, int]], ssh_port: int) -> None:
+    """The launcher would hang or print pages of ssh errors; one line before it starts."""
+    from hvd_resilient.discovery.health import probe_hosts
+
+    remote = [h for h, _ in hosts if not _is_local(h)]
+    failed = {h: why for h, why in probe_hosts(remote, ssh_port, 2.0).items() if why}
+    if failed:
+        detail = "; ".join(f"{h}: {why}" for h, why in sorted(failed.items()))
+        raise LaunchError(f"hosts unreachable over ssh ({detail}); check they are up and "
+                          f"sshd listens on port {ssh_port} (--ssh-port)")
