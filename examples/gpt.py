@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hvd_resilient.cli_errors import exit_on_error  # noqa: E402
 from hvd_resilient.config import TrainConfig  # noqa: E402
 from hvd_resilient.errors import ConfigError  # noqa: E402
-from hvd_resilient.launcher_env import launcher_rank, launcher_size  # noqa: E402
+from hvd_resilient.launcher_place import launcher_rank, launcher_size  # noqa: E402
 
 if TYPE_CHECKING:
     from hvd_resilient.training.trainer import Trainer

@@ -22,7 +22,7 @@ from hvd_resilient.errors import (
     error_exit_code,
 )
 from hvd_resilient.fatal_events import record_fatal
-from hvd_resilient.launcher_env import launcher_rank, launcher_size
+from hvd_resilient.launcher_place import launcher_rank, launcher_size
 
 T = TypeVar("T")
 

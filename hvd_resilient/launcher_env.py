@@ -1,9 +1,8 @@
-"""A process's rank and world size as its launcher set them, before (or without) a backend.
+"""The environment variables a launcher and `hvd-resilient run` give a worker, named once,
+and the job id a launch's processes share.
 
-horovodrun, Open MPI, MPICH/Intel MPI, torchrun and srun each name them differently; the
-in-place agent names no rank at all (see `launcher_rank`). Read where no backend is up yet, or
-where none ever will be: the `fatal` event of an error at startup carries the rank that hit it,
-a script prints its banner on one rank only, and one rank writes what all of them then read.
+Imported from every layer (the backends, the tiers, the launcher), so it imports nothing of
+the package: what a process's rank and size are under each launcher is `launcher_place`.
 """
 
 from __future__ import annotations
@@ -11,19 +10,9 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-RANK_ENVS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "RANK", "SLURM_PROCID")
-"""Where a process finds its rank: horovodrun, Open MPI, MPICH/Intel MPI, torchrun, srun."""
-
-SIZE_ENVS = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "WORLD_SIZE", "SLURM_NTASKS")
-"""Where it finds the world size, in the same order."""
-
 INPLACE_MEMBER_ENV = "HVD_RESILIENT_MEMBER"
 """Set by the in-place agent in each worker it starts: the worker's member id (never reused),
 which is not its rank (`backends.inplace.membership.MEMBER_ENV` is this name)."""
-
-INPLACE_LOOKUP_TIMEOUT_S = 10.0
-"""How long an in-place worker's `launcher_rank`/`launcher_size` wait for the agent's store
-(to connect, and for the first generation to be published) before they answer None."""
 
 FORKED_ENV = "HVD_RESILIENT_FORKED_PID"
 """Set by a warm pool in each worker it forks, to that worker's pid: a process that finds its
@@ -34,29 +23,6 @@ RUN_DIR_ENV = "HVD_RESILIENT_RUN_DIR"
 """The run folder `hvd-resilient run` gives every process of its job (events, hangs, lease)."""
 RUN_ID_ENV = "HVD_RESILIENT_RUN_ID"
 """The run's id, likewise: set only under `hvd-resilient run`."""
-
-
-def _first_number(env: Mapping[str, str] | None, names: tuple[str, ...]) -> int | None:
-    env = os.environ if env is None else env
-    for name in names:
-        value = env.get(name, "")
-        if value.isdigit():
-            return int(value)
-    return None
-
-
-def _inplace(env: Mapping[str, str]) -> tuple[int | None, int | None] | None:
-    """(rank, size) of an in-place worker as the agent's newest generation has them; None for
-    a process the agent did not start."""
-    if INPLACE_MEMBER_ENV not in env:
-        return None
-    # Only in-place workers get here, and they import torch.distributed anyway.
-    from hvd_resilient.backends.inplace.membership import newest_place
-
-    try:
-        return newest_place(env, INPLACE_LOOKUP_TIMEOUT_S)
-    except (RuntimeError, OSError, KeyError, ValueError):  # the agent is gone, or no address
-        return None, None
 
 
 JOB_ID_ENVS = (("torchrun", ("TORCHELASTIC_RUN_ID",)),
@@ -78,30 +44,3 @@ def launcher_job_id(env: Mapping[str, str] | None = None) -> str | None:
         if all(values):
             return f"{kind}:{':'.join(values)}"
     return None
-
-
-def launcher_rank(env: Mapping[str, str] | None = None) -> int | None:
-    """This process's rank as its launcher set it (None: not started by a known launcher).
-
-    Under the in-place agent it is the worker's position in the newest generation's member
-    list, read from the agent's store at each call (None while the worker is in none: a
-    standby or replacement not taken in yet, or a member the others went on without). No
-    variable can hold it: the agent starts each worker once, naming it by a member id
-    (`INPLACE_MEMBER_ENV`), and the ranks change inside the running workers whenever a
-    generation loses or takes in a member. A RANK set at the start would go on saying 2 in the
-    worker that is rank 1 of the next generation, and would name no rank at all in a
-    replacement, whose id lies beyond the world size; so the agent sets none, and this reads
-    the agent's own names. It is looked at first: an agent started under srun or mpirun passes
-    their (per-machine) variables on to every worker it starts.
-    """
-    env = os.environ if env is None else env
-    inplace = _inplace(env)
-    return inplace[0] if inplace is not None else _first_number(env, RANK_ENVS)
-
-
-def launcher_size(env: Mapping[str, str] | None = None) -> int | None:
-    """The world size as the launcher set it (None: not started by a known launcher); under
-    the in-place agent, how many members its newest generation has (see `launcher_rank`)."""
-    env = os.environ if env is None else env
-    inplace = _inplace(env)
-    return inplace[1] if inplace is not None else _first_number(env, SIZE_ENVS)

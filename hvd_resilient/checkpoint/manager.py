@@ -320,4 +320,4 @@ class CheckpointManager(CheckpointReader):
         """Move every checkpoint folder here (published or torn) to ``<url>/<tag>/step-...``
         and return their steps: kept, but out of the way of a run that starts over (see
         :func:`.supersede.supersede` for how, and what it raises)."""
-        return _supersede.supersede(self, tag)
+        return _supersede.supersede(self, tag, self._delete_folder)

@@ -32,7 +32,9 @@ from hvd_resilient.checkpoint.manifest import (
 from hvd_resilient.checkpoint.stores import StoreExistsError, StoreNotFoundError
 
 if TYPE_CHECKING:
-    from hvd_resilient.checkpoint.manager import CheckpointManager
+    from collections.abc import Callable
+
+    from hvd_resilient.checkpoint.reader import CheckpointReader
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +61,8 @@ def validate_tag(tag: str) -> str:
     return tag
 
 
-def supersede(manager: CheckpointManager, tag: str) -> list[int]:
+def supersede(manager: CheckpointReader, tag: str,
+              delete_folder: Callable[[int], None]) -> list[int]:
     """Move every checkpoint folder of ``manager`` (published or torn) to
     ``<url>/<tag>/step-...`` and return their steps. A manager opened at ``<url>/<tag>``
     loads the moved checkpoints; listings of ``<url>`` no longer see them.
@@ -68,7 +71,9 @@ def supersede(manager: CheckpointManager, tag: str) -> list[int]:
     create the copy's manifest last, then delete the original's manifest first and its
     files after. Safe to re-run after a crash at any point: a copy that is already
     published is checked and the original's remains removed, nothing is ever copied over
-    a published checkpoint. No job may write to ``<url>`` meanwhile.
+    a published checkpoint. No job may write to ``<url>`` meanwhile. ``delete_folder`` is the
+    manager's removal of a step's folder (`CheckpointManager.supersede` passes it): this
+    module reads through the reader and removes only through it, so it needs no manager.
 
     Raises:
         ValueError: a bad ``tag`` (see :func:`validate_tag`).
@@ -80,7 +85,7 @@ def supersede(manager: CheckpointManager, tag: str) -> list[int]:
     validate_tag(tag)
     moved = []
     for step, keys in sorted(manager._folders().items()):
-        _move(manager, step, keys, tag)
+        _move(manager, step, keys, tag, delete_folder)
         moved.append(step)
     if moved:
         logger.info("moved checkpoints at steps %s from %s to %s/%s", moved, manager.url,
@@ -88,12 +93,12 @@ def supersede(manager: CheckpointManager, tag: str) -> list[int]:
     return moved
 
 
-def _digest(manager: CheckpointManager, key: str) -> str:
+def _digest(manager: CheckpointReader, key: str) -> str:
     """A fingerprint to tell whether two stored copies hold the same bytes."""
     return hex_digest(manager.store.get(key))
 
 
-def _same(manager: CheckpointManager, a: str, b: str) -> bool:
+def _same(manager: CheckpointReader, a: str, b: str) -> bool:
     """Both files exist and hold the same bytes."""
     try:
         return _digest(manager, a) == _digest(manager, b)
@@ -101,7 +106,8 @@ def _same(manager: CheckpointManager, a: str, b: str) -> bool:
         return False
 
 
-def _move(manager: CheckpointManager, step: int, keys: list[str], tag: str) -> None:
+def _move(manager: CheckpointReader, step: int, keys: list[str], tag: str,
+          delete_folder: Callable[[int], None]) -> None:
     store, url = manager.store, manager.url
     src = step_dir(step)
     dst = f"{tag}/{src}"
@@ -143,10 +149,10 @@ def _move(manager: CheckpointManager, step: int, keys: list[str], tag: str) -> N
                 store.put(f"{dst}/{MANIFEST_NAME}", src_raw)
     # Manifest first: from here the original no longer exists for readers.
     store.delete([manifest])
-    manager._delete_folder(step)
+    delete_folder(step)
 
 
-def _check_copy(manager: CheckpointManager, src: CheckpointInfo, dst: CheckpointInfo) -> None:
+def _check_copy(manager: CheckpointReader, src: CheckpointInfo, dst: CheckpointInfo) -> None:
     """Every file of the copy ``dst`` matches the manifest, or is byte-for-byte the
     original where the original itself no longer does (a rotten checkpoint stays as
     rotten as it was, and is skipped on load as before)."""

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 SAY = """
 import os
-from hvd_resilient.launcher_env import launcher_rank, launcher_size
+from hvd_resilient.launcher_place import launcher_rank, launcher_size
 os.write(1, f"place {launcher_rank()} {launcher_size()}\\n".encode())
 """
 # (one write a line: two workers' prints interleaved on one line in CI)
@@ -26,7 +26,7 @@ os.write(1, f"place {launcher_rank()} {launcher_size()}\\n".encode())
 AFTER_A_FAULT = """
 import os, sys
 from hvd_resilient.backends.inplace.membership import MEMBER_ENV, Membership
-from hvd_resilient.launcher_env import launcher_rank, launcher_size
+from hvd_resilient.launcher_place import launcher_rank, launcher_size
 if os.environ[MEMBER_ENV] == "0":
     sys.exit(3)
 m = Membership(30.0)

@@ -6,7 +6,7 @@ import time
 
 from hvd_resilient.events import EventLog, read_events
 from hvd_resilient.fatal_events import fatal_events, record_fatal
-from hvd_resilient.launcher_env import launcher_rank, launcher_size
+from hvd_resilient.launcher_place import launcher_rank, launcher_size
 
 
 def test_fatal_events_since_a_time_oldest_first(tmp_path):

@@ -9,9 +9,9 @@ import json
 import pytest
 import torch.distributed as dist
 
-from hvd_resilient import launcher_env
+from hvd_resilient import launcher_env, launcher_place
 from hvd_resilient.backends.inplace import membership
-from hvd_resilient.launcher_env import launcher_rank, launcher_size
+from hvd_resilient.launcher_place import launcher_rank, launcher_size
 from tests.support.jobs import free_port
 
 MEMBER = membership.MEMBER_ENV  # the agent's name for its workers' member ids
@@ -62,7 +62,7 @@ def test_the_agents_names_come_before_variables_it_passed_on(agent):
 
 
 def test_without_an_agent_to_ask_it_says_it_does_not_know(monkeypatch):
-    monkeypatch.setattr(launcher_env, "INPLACE_LOOKUP_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(launcher_place, "INPLACE_LOOKUP_TIMEOUT_S", 0.5)
     assert launcher_rank({MEMBER: "0"}) is None  # no agent address at all
     lost = {membership.AGENT_ENV: f"127.0.0.1:{free_port()}", MEMBER: "0"}
     assert (launcher_rank(lost), launcher_size(lost)) == (None, None)
