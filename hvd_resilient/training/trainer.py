@@ -1,8 +1,9 @@
 """The common case in a few lines: `Trainer(model, optimizer, loss_fn, data, config).fit()`.
 
 The trainer is deliberately thin: the state knows what survives, the sampler knows the data
-order, `durable` knows the store, `elastic.run` knows how to recover. This file only runs the
-step loop and decides when to commit, checkpoint and stop.
+order, `durable` knows the store, the backend's `run` (the one recovery loop,
+`backends/recovery.py`) knows how to recover. This file only runs the step loop and decides
+when to commit, checkpoint and stop.
 """
 
 from __future__ import annotations
