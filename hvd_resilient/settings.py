@@ -6,8 +6,8 @@ variable.
 driver's switches (launch/horovod/options.py) declare theirs as dataclasses and get everything
 else from here, so that they cannot drift apart: the flags, the merge of file < environment <
 flags, the coercion of each value (a bad one stops with one line naming where it came from),
-the refusal of unknown keys with the closest known one, the older names a setting is still
-read under, and the reference tables of docs/configuration.md.
+the refusal of unknown keys with the closest known one, and the reference tables of
+docs/configuration.md. A setting has one name (no release shipped with another).
 """
 
 from __future__ import annotations
@@ -29,15 +29,14 @@ FALSE = ("0", "false", "no", "off")
 
 
 def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING,
-            aliases: tuple[str, ...] = (), choices: tuple[str, ...] = (),
+            choices: tuple[str, ...] = (),
             metavar: str | tuple[str, ...] | None = None, positional: bool = False,
             env: str | None = None) -> Any:
-    """A dataclass field with what its flag needs beyond name, type and default: the older
-    flat names it is still read under (files, environment, flags), argparse's choices and
-    metavar, or a positional place (the training command of `hvd-resilient run`). ``env``:
-    its environment variable where that is not `<prefix><NAME>` (a switch whose variable is
+    """A dataclass field with what its flag needs beyond name, type and default: argparse's
+    choices and metavar, or a positional place (the training command of `hvd-resilient run`).
+    ``env``: its environment variable where that is not `<prefix><NAME>` (a switch whose variable is
     older than its flag: the flag's name was taken)."""
-    meta = {"aliases": aliases, "choices": choices, "metavar": metavar,
+    meta = {"choices": choices, "metavar": metavar,
             "positional": positional, "env": env}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
@@ -57,8 +56,6 @@ class Setting:
     doc: str
     env_prefix: str | None = None
     """None: this command reads no environment variables."""
-    aliases: tuple[str, ...] = ()
-    """Older flat names, still read as file keys, environment variables and flags."""
     choices: tuple[str, ...] = ()
     metavar: str | tuple[str, ...] | None = None
     positional: bool = False
@@ -74,11 +71,6 @@ class Setting:
         if self.env_prefix is None:
             return None
         return self.env_name or self.env_prefix + self.name.upper()
-
-    @property
-    def alias_envs(self) -> tuple[str, ...]:
-        prefix = self.env_prefix
-        return () if prefix is None else tuple(prefix + a.upper() for a in self.aliases)
 
 
 def _flag(name: str) -> str:
@@ -97,7 +89,6 @@ class Schema:
         sections: section name -> its dataclass.
         env_prefix: `HVD_RESILIENT_`: every setting is read from `<prefix><NAME>` too; None:
             from files and flags only.
-        env_aliases: older environment names (not flags, not file keys) -> flat name.
         doc_values: ``{name}`` in a field's docstring -> what replaces it (asked for when the
             docs are first needed, so that what they name is imported only then).
         prefix_sections: False: a section's settings keep their field names (`hvd-resilient
@@ -107,7 +98,6 @@ class Schema:
 
     def __init__(self, what: str, top: type, sections: Mapping[str, type] | None = None, *,
                  env_prefix: str | None = None,
-                 env_aliases: Mapping[str, str] | None = None,
                  doc_values: Callable[[], Mapping[str, str]] | None = None,
                  prefix_sections: bool = True) -> None:
         self.what = what
@@ -115,7 +105,6 @@ class Schema:
         self.sections = dict(sections or {})
         self.prefix_sections = prefix_sections
         self.env_prefix = env_prefix
-        self.env_aliases = dict(env_aliases or {})
         self._doc_values = doc_values
         self._settings: list[Setting] | None = None
 
@@ -154,17 +143,14 @@ class Schema:
         name = f"{section}_{f.name}" if section and self.prefix_sections else f.name
         return Setting(name, section, f.name,
                        f.type if isinstance(f.type, str) else f.type.__name__, default, doc,
-                       env_prefix=self.env_prefix, aliases=tuple(meta.get("aliases", ())),
-                       choices=tuple(meta.get("choices", ())), metavar=meta.get("metavar"),
+                       env_prefix=self.env_prefix, choices=tuple(meta.get("choices", ())),
+                       metavar=meta.get("metavar"),
                        positional=bool(meta.get("positional", False)),
                        env_name=meta.get("env"))
 
     def by_name(self) -> dict[str, Setting]:
-        """Flat names and their older names -> the setting."""
-        out = {st.name: st for st in self.settings}
-        for st in self.settings:
-            out.update({a: st for a in st.aliases})
-        return out
+        """Flat names -> the setting."""
+        return {st.name: st for st in self.settings}
 
     def names(self) -> set[str]:
         return {st.name for st in self.settings}
@@ -172,9 +158,9 @@ class Schema:
     # -- sources -------------------------------------------------------------------------
     def add_arguments(self, parser: argparse.ArgumentParser,
                       titles: Mapping[str, str] | None = None) -> None:
-        """One flag per setting (its older names as extra spellings of the same flag);
-        defaults are None, so that a flag not given overrides nothing. ``titles``: section
-        -> argument group title ("" the top level); none: every flag in the parser itself."""
+        """One flag per setting; defaults are None, so that a flag not given overrides
+        nothing. ``titles``: section -> argument group title ("" the top level); none: every
+        flag in the parser itself."""
         groups: dict[str, Any] = {}
         for st in self.settings:
             if titles is None:
@@ -188,7 +174,7 @@ class Schema:
             if st.positional:
                 group.add_argument(st.name, nargs=argparse.REMAINDER, help=doc)
                 continue
-            flags = [st.flag, *(_flag(a) for a in st.aliases)]
+            flags = [st.flag]
             kw: dict[str, Any] = {"dest": st.name, "default": None, "help": doc}
             if st.type == "bool":
                 kw["action"] = argparse.BooleanOptionalAction
@@ -207,8 +193,7 @@ class Schema:
              file_values: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Flat name -> value, coerced to its type, for every setting some source sets:
         file (``file``, or ``file_values`` already loaded) < environment < flags (``args``)
-        < ``overrides``. An older name counts where the current one is not given in the same
-        source. A None value sets nothing.
+        < ``overrides``. A None value sets nothing.
 
         Raises:
             ConfigError: an unknown key in a file or in the overrides, or a value that is not
@@ -235,22 +220,17 @@ class Schema:
         known = self.by_name()
         refuse_unknown(raw, set(known), f"{self.what}: {where}".rstrip(": "),
                        shown=self.names())
-        for key in sorted(raw, key=lambda k: k in known and k == known[k].name):
+        for key in raw:
             if raw[key] is None:
                 continue
-            st = known[key]  # older names first: the current one of the same source wins
+            st = known[key]
             hint = f" ({_flag(key)})" if source == "flag" else ""
             values[st.name] = self.coerce(st, raw[key], f"{where}{key}", hint)
 
     def _take_env(self, values: dict[str, Any], env: Mapping[str, str]) -> None:
-        known = self.by_name()
-        for old, name in self.env_aliases.items():
-            if old in env:
-                values[name] = self.coerce(known[name], env[old], name, f" (from {old})")
         for st in self.settings:
-            for var in (*st.alias_envs, st.env):
-                if var is not None and var in env:
-                    values[st.name] = self.coerce(st, env[var], st.name, f" (from {var})")
+            if st.env is not None and st.env in env:
+                values[st.name] = self.coerce(st, env[st.env], st.name, f" (from {st.env})")
 
     def coerce(self, st: Setting, value: Any, key: str, hint: str = "") -> Any:
         """``value`` as ``st``'s type; ConfigError `<what>: <key> must be ..., got ...`."""
@@ -285,9 +265,6 @@ class Schema:
             if st.type == "bool":
                 flag += f" / `--no-{st.flag[2:]}`"
             doc = describe(st) if describe else st.doc
-            if st.aliases:
-                older = ", ".join(f"`{a}` (`--{a.replace('_', '-')}`)" for a in st.aliases)
-                doc += f" Older name{'s' if len(st.aliases) > 1 else ''}, still read: {older}."
             cells = [f"`{st.name}`", flag, *([f"`{st.env}`"] if env else []),
                      f"`{st.default!r}`", doc.replace("|", "\\|")]
             rows.append("| " + " | ".join(cells) + " |")

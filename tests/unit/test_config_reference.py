@@ -36,8 +36,6 @@ def test_every_training_setting_has_its_row_with_flag_env_and_default():
         assert row is not None, f"{st.name} missing from docs/configuration.md"
         assert f"`{st.flag}`" in row and f"`{st.env}`" in row, row
         assert f"`{st.default!r}`" in row, f"{st.name}: default {st.default!r} not in {row}"
-        for old in st.aliases:
-            assert f"`{old}`" in row, f"{st.name}: its older name {old} not in {row}"
     rows = re.findall(r"^\| `(\w+)` \| `--", block, re.M)
     assert set(rows) == {st.name for st in settings()}, "a row for a setting that is gone"
 
@@ -57,8 +55,7 @@ def test_every_environment_variable_the_code_reads_is_documented():
     for path in [*(ROOT / "hvd_resilient").rglob("*.py"), *(ROOT / "discovery").iterdir()]:
         if path.is_file():
             names |= set(ENV_NAME.findall(path.read_text(errors="replace")))
-    fields_env = {st.env for st in settings()} | {
-        e for st in settings() for e in st.alias_envs}
+    fields_env = {st.env for st in settings()}
     undocumented = sorted(
         n for n in names - fields_env
         if n not in PAGE and n not in DISCOVERY_PAGE

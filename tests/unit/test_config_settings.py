@@ -51,7 +51,7 @@ def test_a_setting_has_no_second_name(tmp_path):
     """No release shipped with another spelling, so none is read: a name that is not the
     setting's is an unknown field, refused in one line (with the setting as the guess where
     the names are close)."""
-    assert not [st.name for st in settings() if st.aliases] and not SCHEMA.env_aliases
+    assert not hasattr(settings()[0], "aliases") and not hasattr(SCHEMA, "env_aliases")
     f = tmp_path / "c.json"
     for given, said in (
             ({"keep_last": 7}, "unknown field keep_last (did you mean checkpoint_keep_last?)"),
