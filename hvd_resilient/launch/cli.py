@@ -33,6 +33,7 @@ from hvd_resilient.launch.run_options import RunOptions
 from hvd_resilient.launch.run_settings import RUN, RunSettings, add_arguments, refuse_foreign
 from hvd_resilient.launch.supervisor import Supervisor
 from hvd_resilient.launch.warm import pool_server
+from hvd_resilient.launcher_env import RUN_DIR_ENV, RUN_ID_ENV
 from hvd_resilient.masking import has_credentials, mask_env, mask_text, mask_url
 from hvd_resilient.run_lease import LeaseHeldError, LeaseRecord, Renewal, RunLease
 from hvd_resilient.settings import load_file
@@ -212,7 +213,7 @@ def main(argv: list[str]) -> int:
     opts, launcher = resolve(build_parser().parse_args(argv))
     env = dict(os.environ)
     env.update({
-        "HVD_RESILIENT_RUN_ID": opts.run_id, "HVD_RESILIENT_RUN_DIR": opts.run_dir,
+        RUN_ID_ENV: opts.run_id, RUN_DIR_ENV: opts.run_dir,
         "HVD_RESILIENT_CHECKPOINT_URL": opts.checkpoint, SUPERVISED_ENV: "1",
         # marks every process of this job, on every host: what ends with this process
         JOB_ENV: f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(8)}",
