@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hvd_resilient.backends.base import Backend
+from hvd_resilient.backends.torchdist.collectives import TorchDistCollectives
 
 
 class TorchDistBackend(Backend):
@@ -41,9 +42,7 @@ class TorchDistBackend(Backend):
         """Where the collectives' tensors live: this worker's GPU under NCCL, else the CPU."""
 
     def allgather_object(self, obj: object) -> list[Any]:
-        out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
-        return out
+        return TorchDistCollectives(self.device).allgather_object(obj)
 
     def any_rank(self, flag: bool) -> bool:
         t = torch.tensor([1.0 if flag else 0.0], device=self.device)
