@@ -1,7 +1,11 @@
-"""The in-place agent: starts the workers of one machine, hosts the generations' store, and
-decides every membership (`backends/inplace/membership.py`).
+"""The in-place agent: one per host; starts that host's workers and hosts the store they talk
+to (`launch/inplace/host_agent.py`); the first host's agent also decides every generation
+(`launch/inplace/decide.py`), the others report to it (`launch/inplace/embedded.py`).
 
     python -m hvd_resilient.launch.inplace_agent --nproc 4 [--min-np 2] -- python train.py ...
+
+Across hosts `python -m hvd_resilient.launch.inplace.fanout --hosts h1:2,h2:2 -- ...` starts
+one agent per host over ssh (`--host-index`, `--coordinator`, `--control-stdin`).
 
 It is never a training rank, so the store outlives any worker. A worker that dies (or that its
 peers found silent, which the agent ends) is dropped from the next generation; the survivors
@@ -22,243 +26,186 @@ add (`inplace_unadopted`, exit 78, not relaunched).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import logging
 import os
 import signal
-import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
-
-import torch.distributed as dist
+from typing import TextIO
 
 from hvd_resilient import log
-from hvd_resilient.backends.inplace.membership import (
-    AGENT_ENV,
-    MEMBER_ENV,
-    PREFIX,
-    door_key,
-    evict_key,
-    formed_key,
-    gen_key,
-    is_busy,
-    ready_key,
-    want_key,
-)
+from hvd_resilient.backends.inplace.membership import door_key, formed_key
 from hvd_resilient.cli_errors import exit_on_error
-from hvd_resilient.die_with_parent import die_with_parent
-from hvd_resilient.errors import FATAL_EXIT_CODE, ConfigError
-from hvd_resilient.launch.inplace_unadopted import REFUSAL, StderrWatch
+from hvd_resilient.errors import ConfigError
+from hvd_resilient.launch.inplace.decide import Coordinator, Decision, HostReport
+from hvd_resilient.launch.inplace.embedded import Coordinating, Following, Record
+from hvd_resilient.launch.inplace.host_agent import HostAgent
 
 logger = logging.getLogger("hvd_resilient.launch.inplace_agent")  # not __name__: run as __main__
 POLL_S = 0.01
-WATCH_JOIN_S = 5.0
-"""How long the agent waits for the last stderr line of a worker that exited on its own
-(code > 0), where a child of it (a loader worker) still holds the pipe; a killed worker is
-judged at once."""
+START_S = 120.0
+"""How long the coordinator waits for every host's first report before generation 0."""
+COORDINATOR_LINE = "hvd-resilient-coordinator"
+"""The line (with ``host:port``) the first host's agent prints once its store listens: the
+launch (`inplace.fanout`) hands that address to the other hosts' agents."""
 
 
 class Agent:
+    """One host's agent; the coordinating one when it is given no ``coordinator``."""
+
     def __init__(self, cmd: Sequence[str], nproc: int, min_np: int, last_call_s: float,
-                 host: str = "127.0.0.1", replace: bool = False, standby: int = 0) -> None:
-        self.cmd, self.nproc, self.min_np, self.last_call_s = list(cmd), nproc, min_np, last_call_s
-        self.replace, self.standby = replace, standby
-        self.next_member = nproc + standby
-        self.server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                                    timeout=datetime.timedelta(seconds=60))
-        self.store = dist.PrefixStore(PREFIX, self.server)
-        self.address = f"{host}:{self.server.port}"
-        self.alive: dict[int, subprocess.Popen[bytes]] = {}
-        self.failed: dict[int, int] = {}
-        self.finished: set[int] = set()
-        self.generation, self.members = -1, list[int]()
-        self._asked_since: float | None = None
-        self._said_busy: list[int] = []
-        self._ended: set[int] = set()
-        self._stopping = False
-        self.watches: dict[int, StderrWatch] = {}
-        self.unadopted = False
-        """A worker died of torch's own env:// rendezvous (`inplace_unadopted`): the job ends
-        with one line saying what to add, instead of a generation without it."""
+                 host: str = "127.0.0.1", replace: bool = False, standby: int = 0, *,
+                 host_index: int = 0, hosts: int = 1, coordinator: str | None = None,
+                 job_nproc: int | None = None, announce: bool = False) -> None:
+        self.announce = announce
+        """Print `COORDINATOR_LINE` (for the launch across hosts, which reads it)."""
+        self.host = HostAgent(cmd, nproc, host_index=host_index, address=host,
+                              replace=replace, standby=standby)
+        self.host_index, self.hosts = host_index, hosts
+        self.coordinator_address = coordinator
+        self.decide = Coordinator(job_nproc or nproc, min_np, last_call_s)
+        self.cluster = Coordinating(self.host.server, host_index, host)
+        self.began = time.monotonic()
 
-    def _start(self, member: int) -> None:
-        env = {**os.environ, AGENT_ENV: self.address, MEMBER_ENV: str(member),
-               "PYTHONUNBUFFERED": "1"}
-        parent = os.getpid()
-        p = self.alive[member] = subprocess.Popen(
-            self.cmd, env=env, stderr=subprocess.PIPE,
-            preexec_fn=lambda: die_with_parent(parent))
-        assert p.stderr is not None
-        self.watches[member] = StderrWatch(p.stderr, sys.stderr.fileno())
+    @property
+    def address(self) -> str:
+        return self.host.address
 
-    def _publish(self, members: list[int]) -> None:
-        self.generation += 1
-        self.members = members
-        self.store.set(gen_key(self.generation), json.dumps(members))
-        self.store.set("gen", str(self.generation))
-        self._asked_since = None
-        logger.info("generation %d: members %s", self.generation, members)
-
-    def _reap(self) -> None:
-        for m, p in list(self.alive.items()):
-            rc = p.poll()
-            if rc is None:
-                continue
-            del self.alive[m]
-            watch = self.watches.pop(m, None)
-            if watch is not None and rc > 0:  # an exit of its own: maybe after a traceback,
-                watch.join(WATCH_JOIN_S)     # read before the exit is judged (never a signal's)
-                if watch.unadopted:
-                    self.unadopted = True
-                    continue
-            if rc == 0:
-                self.finished.add(m)
-            else:
-                self.failed[m] = rc
-                logger.warning("member %d exited (code %d)", m, rc)
-                # 78: a fault of the job itself (a bad config), which a newcomer would repeat
-                if (self.replace and rc != FATAL_EXIT_CODE and not self.finished
-                        and not self._stopping):
-                    self._start(self.next_member)
-                    logger.info("member %d started in place of member %d", self.next_member, m)
-                    self.next_member += 1
-
-    def _fence(self, members: list[int], why: str) -> None:
-        for m in members:
-            p = self.alive.get(m)
-            if p is not None and p.poll() is None:
-                logger.warning("ending member %d: %s", m, why)
-                p.kill()
-
-    def _asked(self) -> set[int]:
-        out = set()
-        for m in self.alive:
-            key = want_key(m)
-            if self.store.check([key]) and int(self.store.get(key)) >= self.generation:
-                out.add(m)
-        return out
-
-    def _at_door(self) -> set[int]:
-        """Live members waiting at the newest generation's door, not through it: a member of
-        that generation died before it arrived, and they can ask for nothing else."""
-        g = self.generation
-        return {m for m in self.alive if m in self.members
-                and self.store.check([door_key(g, m)]) and not self.store.check([formed_key(g, m)])}
-
-    def _evictions(self) -> None:
-        for m in list(self.alive):
-            key = evict_key(m)
-            if self.store.check([key]):
-                self._fence([m], f"its peers found it silent ({self.store.get(key).decode()})")
-                self.store.delete_key(key)
-
-    def _step(self) -> int | None:
-        """One look at the workers; an exit code when the job is over."""
-        self._reap()
-        if self.unadopted:  # every other worker would fail the same way: no generation
-            for w in self.watches.values():
-                w.ending = True  # killed mid-traceback: no half of torch's to print
-            for p in self.alive.values():
-                p.kill()
-            raise ConfigError(REFUSAL)
-        if not self.alive:
-            # a worker's own exit code (78: not to be relaunched), never a signal's negative one
-            return 0 if self.finished else max((c for c in self.failed.values() if c > 0),
-                                               default=1)
-        if self.finished or self._stopping:  # the run is ending: no new generation
-            self._end_standbys()
-            return None
-        self._evictions()
-        lost = [m for m in self.members if m not in self.alive]
-        asked = self._asked() | (self._at_door() if lost else set())
-        if not lost and not asked:
-            self._take_in()
-            return None
-        now = time.monotonic()
-        if self._asked_since is None:
-            self._asked_since = now
-        waiting = sorted(set(self.members) & set(self.alive) - asked)
-        if waiting and now - self._asked_since < self.last_call_s:
-            return None  # a live member still in its step: it fails at its next collective
-        busy = [m for m in waiting if is_busy(self.store, m)]
-        if busy:  # in a declared section (an evaluation): it asks when it leaves it
-            if busy != self._said_busy:
-                logger.info("waiting for member(s) %s: busy in a declared section",
-                            ", ".join(map(str, busy)))
-                self._said_busy = busy
-            return None
-        if waiting:
-            self._fence(waiting, f"it did not ask for generation {self.generation + 1} within "
-                                 f"{self.last_call_s:g}s")
-        # a replacement or standby up by now joins too, into the places of the lost
-        members = sorted(asked | set(self._ready_for(len(asked))))
-        if len(members) < self.min_np:
-            logger.error("%d live members, fewer than --min-np %d: ending the job so that it "
-                         "restarts from its durable checkpoint", len(members), self.min_np)
-            self._fence(list(self.alive), "the job ends")
-            return 1
-        self._publish(members)
-        return None
-
-    def _ready(self) -> list[int]:
-        return [m for m in self.alive if m not in self.members
-                and self.store.check([ready_key(m)])]
-
-    def _ready_for(self, taken: int) -> list[int]:
-        """Workers up and waiting, as many as there are places beside ``taken`` members (the
-        members never exceed --nproc)."""
-        return self._ready()[:max(0, self.nproc - taken)]
-
-    def _end_standbys(self) -> None:
-        """The run is over (or stopping): workers that never joined hold nothing; they are
-        waiting for a generation that will not come."""
-        for m, p in self.alive.items():
-            if m not in self.members and m not in self._ended and p.poll() is None:
-                logger.info("ending standby member %d: the run is over", m)
-                p.kill()
-                self._ended.add(m)
-
-    def _take_in(self) -> None:
-        """Workers up and waiting (replacements, standbys) join in a generation of their own
-        while there is a place for them, which the members move to at their next commit;
-        never while a fault is being answered."""
-        ready = self._ready_for(len(self.members))
-        if ready:
-            self._publish(sorted([*self.members, *ready]))
-
-    def _finish(self) -> None:
-        """Every worker waited for, and its last lines passed on."""
-        for p in self.alive.values():
-            p.wait()
-        for w in self.watches.values():
-            w.join(WATCH_JOIN_S)
-
-    def _forward(self, signum: int, _frame: object) -> None:
-        self._stopping = True
-        for p in self.alive.values():
-            if p.poll() is None:
-                p.send_signal(signum)
+    def forward(self, signum: int) -> None:
+        self.host.forward(signum)
 
     def run(self) -> int:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._forward)
-        # before any worker reads it
-        self.store.set("joins", "1" if self.replace or self.standby else "0")
-        for m in range(self.nproc + self.standby):
-            self._start(m)
-        self._publish(list(range(self.nproc)))
+        self.host.install_signals()
+        if self.coordinator_address is None:
+            if self.announce:
+                print(f"{COORDINATOR_LINE} {self.host.address}", flush=True)
+            return self._coordinate()
+        return self._follow(self.coordinator_address)
+
+    # -- the coordinating agent -------------------------------------------------------------
+    def _coordinate(self) -> int:
+        self.host.start()
+        self.began = time.monotonic()
         while True:
-            try:
-                code = self._step()
-            except ConfigError:
-                self._finish()
-                raise
+            code = self.step()
             if code is not None:
-                self._finish()
                 return code
             time.sleep(POLL_S)
+
+    def step(self) -> int | None:
+        """One look at every host (the coordinating agent); an exit code when the job is
+        over."""
+        host, decide, cluster = self.host, self.decide, self.cluster
+        now = time.monotonic()
+        host.reap()
+        reports = {**cluster.reports(self.hosts, now), self.host_index: host.report()}
+        if decide.generation < 0:
+            if len(reports) < self.hosts:
+                if now - self.began > START_S:
+                    missing = sorted(set(range(self.hosts)) - set(reports))
+                    host.end_all()
+                    host.finish()
+                    raise ConfigError(f"inplace: host(s) {missing} did not report within "
+                                      f"{START_S:.0f}s; check their agents' output")
+                cluster.beat()
+                return None
+            decision = decide.first(reports)
+        else:
+            decision = decide.step(reports, now, self._at_door)
+        code = self._carry_out(cluster, decision, sorted(reports))
+        cluster.beat()
+        return code
+
+    def _at_door(self, g: int, members: list[int]) -> set[int]:
+        store = self.host.store
+        return {m for m in members if store.check([door_key(g, m)])
+                and not store.check([formed_key(g, m)])}
+
+    def _carry_out(self, cluster: Coordinating, d: Decision, heard: list[int]) -> int | None:
+        host = self.host
+        if d.fence:
+            cluster.fence(d.fence)
+            for m, why in d.fence.items():
+                host.fence([m], why)
+        if d.publish is not None:
+            record = Record(self.decide.generation, d.publish, host.address)
+            cluster.publish(record)
+            host.mirror(record.generation, record.members, record.store)
+        if d.finishing:
+            cluster.finishing()
+            host.end_standbys()
+        if d.end is None:
+            return None
+        host.end_all(refusal=d.refusal is not None)
+        cluster.end(d.end, heard)
+        host.finish()
+        if d.refusal is not None:
+            raise ConfigError(d.refusal)
+        return d.end
+
+    # -- an agent that follows ------------------------------------------------------------
+    def _follow(self, coordinator: str) -> int:
+        host = self.host
+        cluster = Following(coordinator, self.host_index, time.monotonic())
+        host.start()
+        while True:
+            now = time.monotonic()
+            host.reap()
+            try:
+                code = self._follow_once(cluster, host.report())
+            except Exception as e:  # the coordinator's store does not answer: the time counts
+                logger.debug("coordinator's store: %s", e)
+                code = None
+            if code is not None:
+                host.finish()
+                return code
+            if not cluster.heard(now):
+                logger.error("cut off from the coordinator (%s) for %.1fs: ending this host's "
+                             "workers; the others go on without them", coordinator,
+                             now - cluster.beat.changed_at)
+                host.end_all()
+                host.finish()
+                return 1
+            time.sleep(POLL_S)
+
+    def _follow_once(self, cluster: Following, report: HostReport) -> int | None:
+        host = self.host
+        cluster.send(report)
+        record = cluster.newest()
+        if record is not None:
+            host.mirror(record.generation, record.members, record.store)
+        for m, why in cluster.fences(sorted(host.alive)).items():
+            host.fence([m], why)
+        if cluster.finishing():
+            host.end_standbys()
+        code = cluster.ended()
+        if code is not None:
+            host.end_all()
+        return code
+
+
+def read_control(agent: Agent, stream: TextIO | None = None) -> None:
+    """``--control-stdin``: the first line is the environment (JSON), set before any worker
+    starts; then ``TERM``/``INT`` lines are signals for the workers; EOF means the launch is
+    gone, and the workers are ended with the agent."""
+    src = stream if stream is not None else sys.stdin
+    first = src.readline()
+    if first.strip():
+        os.environ.update({str(k): str(v) for k, v in json.loads(first).items()})
+
+    def watch() -> None:
+        for line in src:
+            word = line.strip()
+            if word in ("TERM", "INT"):
+                agent.forward(getattr(signal, f"SIG{word}"))
+        logger.error("the launch is gone (its connection closed): ending this host's workers")
+        agent.host.end_all()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="inplace-control", daemon=True).start()
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
@@ -266,7 +213,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, required=True, help="workers to start on this machine")
     p.add_argument("--min-np", type=int, default=1,
-                   help="fewer live workers end the job (exit 1) for a restart")
+                   help="fewer live workers (in the whole job) end the job (exit 1) for a "
+                        "restart")
     p.add_argument("--last-call", type=float, default=60.0,
                    help="seconds a live worker may take to ask for the next generation before "
                         "it is ended (it asks at its next collective, normally within "
@@ -276,8 +224,21 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--replace", action="store_true",
                    help="start a new worker for each one lost; it joins once it is up")
     p.add_argument("--standby", type=int, default=0, metavar="K",
-                   help="start K more workers that set up and wait; a lost worker's place goes "
-                        "to one of them at once (default 0)")
+                   help="start K more workers (per host) that set up and wait; a lost worker's "
+                        "place goes to one of them at once (default 0)")
+    p.add_argument("--host-index", type=int, default=0,
+                   help="this host's place among the job's hosts (0 coordinates)")
+    p.add_argument("--hosts-count", type=int, default=1,
+                   help="how many hosts the job starts on (the coordinator waits for each)")
+    p.add_argument("--job-nproc", type=int, default=None,
+                   help="the whole job's first size (default --nproc: one host)")
+    p.add_argument("--address", default="127.0.0.1",
+                   help="this host's address as the other hosts reach it")
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="the coordinating agent's store (every host but the first)")
+    p.add_argument("--control-stdin", action="store_true",
+                   help="read the environment and stop requests from stdin (the launch over "
+                        "ssh); EOF ends the workers")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the worker command")
     a = p.parse_args(argv)
     if a.cmd[:1] == ["--"]:
@@ -286,9 +247,15 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         raise ConfigError("no worker command: put it after --, e.g. -- python train.py")
     if a.standby < 0:
         raise ConfigError(f"need --standby >= 0, got {a.standby}")
-    if a.nproc < 1 or not 1 <= a.min_np <= a.nproc:
-        raise ConfigError(f"need --nproc >= 1 and 1 <= --min-np <= --nproc, got --nproc "
-                          f"{a.nproc} --min-np {a.min_np}")
+    job = a.job_nproc or a.nproc
+    if a.nproc < 1 or not 1 <= a.min_np <= job:
+        raise ConfigError(f"need --nproc >= 1 and 1 <= --min-np <= the job's size, got "
+                          f"--nproc {a.nproc} --min-np {a.min_np}")
+    if not 0 <= a.host_index < a.hosts_count:
+        raise ConfigError(f"need 0 <= --host-index < --hosts-count, got {a.host_index} of "
+                          f"{a.hosts_count}")
+    if (a.coordinator is None) != (a.host_index == 0):
+        raise ConfigError("--coordinator is given to every host's agent but the first's")
     return a
 
 
@@ -296,8 +263,12 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse(sys.argv[1:] if argv is None else argv)
     log.setup(rank_fn=lambda: 0)  # the agent speaks as rank 0 does
-    return Agent(a.cmd, a.nproc, a.min_np, a.last_call, replace=a.replace,
-                 standby=a.standby).run()
+    agent = Agent(a.cmd, a.nproc, a.min_np, a.last_call, a.address, a.replace, a.standby,
+                  host_index=a.host_index, hosts=a.hosts_count, coordinator=a.coordinator,
+                  job_nproc=a.job_nproc, announce=a.control_stdin or a.hosts_count > 1)
+    if a.control_stdin:
+        read_control(agent)
+    return agent.run()
 
 
 if __name__ == "__main__":

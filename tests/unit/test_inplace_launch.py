@@ -55,7 +55,7 @@ def test_workers_find_the_backend_from_the_agents_variable():
 
 @pytest.mark.parametrize("argv, says", [
     (["--nproc", "2"], "no worker command"),
-    (["--nproc", "2", "--min-np", "3", "--", "x"], "1 <= --min-np <= --nproc"),
+    (["--nproc", "2", "--min-np", "3", "--", "x"], "1 <= --min-np <= the job's size"),
     (["--nproc", "0", "--", "x"], "--nproc >= 1"),
     (["--nproc", "2", "--standby", "-1", "--", "x"], "--standby >= 0"),
 ])
@@ -67,17 +67,18 @@ def test_bad_agent_options_stop_with_one_line(argv, says):
 def _agent(codes: list[str], min_np: int = 1, last_call: float = 5.0) -> inplace_agent.Agent:
     """Workers that run `code[member]` (python -c), started as the agent starts them."""
     agent = inplace_agent.Agent([sys.executable, "-c", "pass"], len(codes), min_np, last_call)
+    host = agent.host
     for m, code in enumerate(codes):
-        agent.cmd = [sys.executable, "-c", code]
-        agent._start(m)
-    agent._publish(list(range(len(codes))))
+        host.cmd = [sys.executable, "-c", code]
+        host._start(m)
+    host.start_members = list(range(len(codes)))  # generation 0 at the first step
     return agent
 
 
 def _until(agent: inplace_agent.Agent, pred, timeout: float = 20.0) -> int | None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        code = agent._step()
+        code = agent.step()
         if code is not None or pred():
             return code
         time.sleep(0.01)
@@ -95,7 +96,7 @@ time.sleep(60)
 
 
 def _stop(agent: inplace_agent.Agent) -> None:
-    for p in agent.alive.values():
+    for p in agent.host.alive.values():
         p.kill()
         p.wait()
 
@@ -108,14 +109,14 @@ def test_a_dead_member_is_left_out_once_every_live_one_asked(tmp_path):
     agent = _agent([ends, ASK, ASK])
 
     def asked_then_end() -> bool:
-        if agent.store.check([membership.want_key(1), membership.want_key(2)]):
+        if agent.host.store.check([membership.want_key(1), membership.want_key(2)]):
             flag.touch()
-        return agent.generation == 1
+        return agent.decide.generation == 1
 
     try:
         _until(agent, asked_then_end)
-        assert agent.members == [1, 2] and agent.failed == {0: 3}
-        assert json.loads(agent.store.get(membership.gen_key(1))) == [1, 2]
+        assert agent.decide.members == [1, 2] and agent.host.failed == {0: 3}
+        assert json.loads(agent.host.store.get(membership.gen_key(1))) == [1, 2]
     finally:
         _stop(agent)
 
@@ -126,9 +127,9 @@ def test_a_live_member_that_never_asks_is_ended_at_the_last_call():
     sleeper = "import time; time.sleep(60)"
     agent = _agent([sleeper, ASK, sleeper], last_call=0.5)
     try:
-        _until(agent, lambda: agent.generation == 1)
-        assert agent.members == [1]
-        assert [agent.alive[m].wait(5) for m in (0, 2)] == [-9, -9], "not ended"
+        _until(agent, lambda: agent.decide.generation == 1)
+        assert agent.decide.members == [1]
+        assert [agent.host.alive[m].wait(5) for m in (0, 2)] == [-9, -9], "not ended"
     finally:
         _stop(agent)
 
@@ -137,8 +138,8 @@ def test_below_min_np_every_worker_is_ended_and_the_agent_says_restart():
     agent = _agent(["import sys; sys.exit(3)", ASK], min_np=2)
     try:
         assert _until(agent, lambda: False) == 1
-        assert agent.generation == 0
-        assert agent.alive[1].wait(5) == -9
+        assert agent.decide.generation == 0
+        assert agent.host.alive[1].wait(5) == -9
     finally:
         _stop(agent)
 
@@ -146,7 +147,7 @@ def test_below_min_np_every_worker_is_ended_and_the_agent_says_restart():
 def test_a_finished_run_publishes_nothing_and_exits_0():
     agent = _agent(["pass", "pass"])
     assert _until(agent, lambda: False) == 0
-    assert agent.generation == 0 and agent.finished == {0, 1}
+    assert agent.decide.generation == 0 and agent.host.finished == {0, 1}
 
 
 DOOR = """
@@ -169,8 +170,8 @@ def test_members_at_the_door_of_a_generation_whose_member_died_get_the_next_one(
     door = DOOR.replace("{through}", "-1")
     agent = _agent([door, "import sys; sys.exit(3)", door], last_call=60.0)
     try:
-        _until(agent, lambda: agent.generation == 1, timeout=15)
-        assert agent.members == [0, 2]
+        _until(agent, lambda: agent.decide.generation == 1, timeout=15)
+        assert agent.decide.members == [0, 2]
     finally:
         _stop(agent)
 
@@ -181,10 +182,10 @@ def test_a_member_through_the_door_must_still_ask():
     door = DOOR.replace("{through}", "2")
     agent = _agent([door, "import sys; sys.exit(3)", door], last_call=60.0)
     try:
-        _until(agent, lambda: 1 in agent.failed and agent._at_door() == {0}, timeout=15)
+        _until(agent, lambda: 1 in agent.host.failed and agent._at_door(0, [0, 2]) == {0}, timeout=15)
         for _ in range(20):
-            assert agent._step() is None
-        assert agent.generation == 0
+            assert agent.step() is None
+        assert agent.decide.generation == 0
     finally:
         _stop(agent)
 

@@ -28,7 +28,7 @@ from hvd_resilient.backends import determinism, recovery
 from hvd_resilient.backends.base import StateT
 from hvd_resilient.backends.inplace.busy import BusyReporter
 from hvd_resilient.backends.inplace.grads import GradientAverager
-from hvd_resilient.backends.inplace.membership import Fenced, Membership
+from hvd_resilient.backends.inplace.membership import Fenced, Membership, host_of
 from hvd_resilient.backends.inplace.state import GenerationChanged, InPlaceState
 from hvd_resilient.backends.torchdist.backend import TorchDistBackend
 from hvd_resilient.backends.torchdist.collectives import TorchDistCollectives
@@ -86,7 +86,7 @@ class _Generations(TorchDistWorld):
         self.hangup = watch = GlooWatch()
         self.detectors = Detectors(watch, SilentPeers(
             backend.heartbeat_timeout_s, state.events, machine=socket.gethostname(),
-            slot=str(m.me), coordinator=None, evict=_AgentEvict(m, watch.trip),
+            slot=str(m.me), coordinator=m.address, evict=_AgentEvict(m, watch.trip),
             quiet_for=watch.quiet_for))
 
     def generation(self) -> int | None:
@@ -197,7 +197,10 @@ class InPlaceBackend(TorchDistBackend):
         return len(self.membership.members)
 
     def local_size(self) -> int:
-        return self.size()  # the agent starts every worker on its machine
+        """The members its host's agent started (they share this machine's cores)."""
+        assert self.membership is not None, "init() first"
+        me = host_of(self.membership.me)
+        return sum(host_of(m) == me for m in self.membership.members)
 
     @property
     def joining(self) -> bool:

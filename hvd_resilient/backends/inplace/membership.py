@@ -1,22 +1,27 @@
 """The generations, as the agent's store holds them: what a worker reads and reports.
 
-Keys (all under `PREFIX`): ``joins`` is 1 when the agent starts workers that join later;
-``gen`` is the newest generation's number; ``gen/<g>`` its members
-(member ids, JSON, in rank order); ``want/<member>`` is the generation a member saw fail (it
-asks for the next one). The agent publishes the next generation with the members that asked,
-once every live member has (a dead one is reaped in milliseconds), or after its last call,
-ending the ones that did not ask. ``evict/<member>`` names a member its peers found silent
-(frozen, cut off): the agent ends it. ``ready/<member>`` says a worker is up and waits to be
-taken in (a replacement the agent started): the agent publishes a generation with it, which
-the members notice at their next step (rank 0 reads, one broadcast) and move to at a commit.
-``busy/<member>`` (a wall-clock time, renewed every `BUSY_EVERY_S`) says a member is inside a
-section it declared to its watchdog (an evaluation, a synchronous checkpoint), where it runs no
-collective and so cannot ask: the agent's last call waits for it while it is renewed.
-``door/<g>/<member>`` says a member waits at generation g's door (every member of g arrives
-before the group is formed), ``formed/<g>/<member>`` that it went through; a member that
-died before it arrived leaves the others at the door, where the agent counts them as asking
-for the next generation. ``pg/<g>/`` holds generation g's process-group keys, so a new group
-never reads a dead generation's addresses.
+A worker speaks to its own host's agent (`AGENT_ENV`); where a generation's group forms is
+named in that generation's record (``store/<g>``), on whichever agent's store it is: across
+hosts, the coordinating agent's (`launch/inplace/`), on one machine the agent's own.
+
+Keys (all under `PREFIX`): ``joins`` is 1 when the agent starts workers that join later; ``gen``
+is the newest generation's number; ``gen/<g>`` its members (member ids, JSON, in rank order),
+``store/<g>`` the ``host:port`` of the store its group forms on (the door, formed and pg keys
+below are there); ``want/<member>`` is the generation a member saw fail (it asks for the next
+one). The agent publishes the next generation with the members that asked, once every live
+member has (a dead one is reaped in milliseconds), or after its last call, ending the ones that
+did not ask. ``evict/<member>`` names a member its peers found silent (frozen, cut off): the
+agent ends it. ``ready/<member>`` says a worker is up and waits to be taken in (a replacement
+the agent started): the agent publishes a generation with it, which the members notice at their
+next step (rank 0 reads, one broadcast) and move to at a commit. ``busy/<member>`` (a wall-clock
+time, renewed every `BUSY_EVERY_S`) says a member is inside a section it declared to its
+watchdog (an evaluation, a synchronous checkpoint), where it runs no collective and so cannot
+ask: the agent's last call waits for it while it is renewed. ``door/<g>/<member>`` says a member
+waits at generation g's door (every member of g arrives before the group is formed),
+``formed/<g>/<member>`` that it went through; a member that died before it arrived leaves the
+others at the door, where the agent counts them as asking for the next generation. ``pg/<g>/``
+holds generation g's process-group keys, so a new group never reads a dead generation's
+addresses.
 
 Member ids are the agent's, never reused: a worker started later (a replacement) gets a new
 one, and ranks are positions in a generation's member list.
@@ -48,6 +53,14 @@ AGENT_ENV = INPLACE_AGENT_ENV
 MEMBER_ENV = INPLACE_MEMBER_ENV
 """The worker's member id; set by the agent for every worker it starts."""
 POLL_S = 0.005
+MEMBER_STRIDE = 1_000_000
+"""Member ids are ``host_index * MEMBER_STRIDE + n``: each host's agent numbers its own
+workers, never reusing an id, and no two hosts can give out the same one."""
+
+
+def host_of(member: int) -> int:
+    """The index of the host whose agent started ``member``."""
+    return member // MEMBER_STRIDE
 FORM_TIMEOUT_S = 30.0
 """How long a generation's group may take to form once every member is at its door (then
 the collectives' own timeout is set). A member that dies in between leaves the others in the
@@ -66,6 +79,10 @@ def want_key(member: int) -> str:
 
 def evict_key(member: int) -> str:
     return f"evict/{member}"
+
+
+def store_key(g: int) -> str:
+    return f"store/{g}"
 
 
 def ready_key(member: int) -> str:
@@ -203,6 +220,11 @@ class Membership:
         self.address = agent_address(env)
         """The agent's store (``host``, ``port``)."""
         self.store = PrefixStore(PREFIX, self.base)
+        self._stores: dict[str, Store] = {f"{self.address[0]}:{self.address[1]}": self.base}
+        self.gen_base: Store = self.base
+        """The store generation `generation`'s group forms on (`store_key`)."""
+        self.gen_store: Store = self.store
+        self.gen_port = self.address[1]
         self.joins = self.store.get("joins") == b"1"
         """Whether the agent starts workers that join later (`--replace`, `--standby`); set
         before any worker starts, so every member reads the same."""
@@ -215,12 +237,12 @@ class Membership:
     def expect_to_join(self) -> bool:
         """True for a worker the newest generation does not hold (the agent started it in
         place of a lost one): it takes the place it will most likely get, last in rank order
-        (member ids only grow), until it is taken in."""
+        (newcomers come after the survivors), until it is taken in."""
         newest = self.newest()
         members = json.loads(self.store.get(gen_key(newest))) if newest >= 0 else []
         if self.me in members:
             return False
-        self.members = sorted([*members, self.me])
+        self.members = [*members, self.me]
         return True
 
     def announce(self) -> None:
@@ -299,14 +321,14 @@ class Membership:
             if self._at_door(g) and self._form(g, pg_timeout):
                 break
             after = g  # superseded at the door or in the formation: the next one holds it?
-        self.store.set(formed_key(g, self.me), "1")
+        self.gen_store.set(formed_key(g, self.me), "1")
 
     def _form(self, g: int, pg_timeout: datetime.timedelta) -> bool:
         """Forms generation ``g``'s group; False when it was superseded meanwhile (a member
         died after the door)."""
         set_timeout = getattr(c10d, "_set_pg_timeout", None)  # feature, not version
         form = min(pg_timeout, datetime.timedelta(seconds=FORM_TIMEOUT_S))
-        store = FormationStore(self.base, group_prefix(g), lambda: self.newest() > g,
+        store = FormationStore(self.gen_base, group_prefix(g), lambda: self.newest() > g,
                                self.timeout_s)
         # Kept alive with the group: the C++ side calls back into this Python object, and a
         # group made later on it (`dist.new_group`) fails with "Not implemented" once it is
@@ -315,7 +337,7 @@ class Membership:
         try:
             if self.reconfigure:
                 reconfigure.form(store, self.rank, len(self.members), g, self.backend,
-                                 pg_timeout, self.address[1])
+                                 pg_timeout, self.gen_port)
                 return True
             dist.init_process_group(self.backend, store=store, rank=self.rank,
                                     world_size=len(self.members),
@@ -331,10 +353,11 @@ class Membership:
     def _at_door(self, g: int) -> bool:
         """True once every member of generation ``g`` is at its door; False when a newer
         generation was published meanwhile."""
-        self.store.set(door_key(g, self.me), "1")
+        self._use_store_of(g)
+        self.gen_store.set(door_key(g, self.me), "1")
         others = [door_key(g, m) for m in self.members]
         deadline = time.monotonic() + self.timeout_s
-        while not self.store.check(others):
+        while not self.gen_store.check(others):
             if self.newest() > g:
                 return False
             if time.monotonic() > deadline:
@@ -342,3 +365,18 @@ class Membership:
                                    f"door within {self.timeout_s:.0f}s")
             time.sleep(POLL_S)
         return True
+
+    def _use_store_of(self, g: int) -> None:
+        """Generation ``g``'s store (its record names it; a record without one: the agent's
+        own), one connection per store for the worker's life."""
+        key = store_key(g)
+        address = (self.store.get(key).decode() if self.store.check([key])
+                   else f"{self.address[0]}:{self.address[1]}")
+        base = self._stores.get(address)
+        if base is None:
+            host, _, port = address.rpartition(":")
+            base = self._stores[address] = TCPStore(
+                host, int(port), is_master=False,
+                timeout=datetime.timedelta(seconds=self.timeout_s))
+        self.gen_base, self.gen_store = base, PrefixStore(PREFIX, base)
+        self.gen_port = int(address.rpartition(":")[2])

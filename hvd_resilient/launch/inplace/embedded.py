@@ -1,0 +1,216 @@
+"""The agreement without a service: the first host's agent coordinates, the others report to its
+store and carry out what it decides.
+
+Keys (under `CLUSTER`, on the coordinating agent's store): ``report/<h>`` (host h's
+`decide.HostReport` and a sequence number it bumps at every look), ``gen`` and ``gen/<g>`` (the
+generations decided: members and the address of the store the group forms on), ``fence/<m>``
+(a member to end, and why), ``finishing``, ``end`` (the job's exit code), ``ack/<h>`` (host h
+saw the end), ``beat`` (the coordinator's own sequence number).
+
+Liveness is judged by numbers that stop moving, never by comparing two hosts' clocks: a host
+whose report has not changed for `HOST_LOST_S` is not heard from (its members are lost). Each
+other host's agent also holds one TCP connection to the coordinator (`liveness`): an agent
+that dies with its host's processes closes it, and the kernel says so at once, so a host whose
+processes were killed is lost in milliseconds, not after `HOST_LOST_S`, which is left to a
+host that went silent (power lost, link down, frozen). A
+host that has not seen the coordinator's beat change for `CUT_OFF_S` is cut off and stops its
+own workers, so a side that cannot hear the coordinator never trains on, or writes, alone.
+`CUT_OFF_S` is the longer, so the coordinator has already given up on a cut-off host when it
+stops.
+
+Losing the coordinator's host ends the job (every other host is cut off and stops), and
+`hvd-resilient run` relaunches it from the durable checkpoint; etcd (`etcd_agreement`) is what
+makes that host's loss cost one generation instead.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import select
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from hvd_resilient.launch.inplace.decide import HostReport
+
+logger = logging.getLogger(__name__)
+CLUSTER = "hvd_resilient/cluster/"
+HOST_LOST_S = 1.0
+CUT_OFF_S = 2.0
+STORE_TIMEOUT_S = 1.0
+"""A follower's calls to the coordinator's store give up after this (a link that is down
+answers nothing): the loop goes on and counts the time towards `CUT_OFF_S`."""
+
+
+@dataclass(frozen=True)
+class Record:
+    """A decided generation."""
+
+    generation: int
+    members: list[int]
+    store: str
+    """``host:port`` of the store its process group forms on."""
+
+
+class _Clock:
+    """When a number was last seen to change (monotonic time of this host)."""
+
+    def __init__(self, now: float) -> None:
+        self.value: object = None
+        self.changed_at = now
+
+    def see(self, value: object, now: float) -> None:
+        if value != self.value:
+            self.value, self.changed_at = value, now
+
+
+class Coordinating:
+    """The coordinator's side: reads the reports, publishes the decisions."""
+
+    def __init__(self, server: dist.TCPStore, host_index: int, address: str) -> None:
+        self.store = dist.PrefixStore(CLUSTER, server)
+        self.host_index = host_index
+        self.seq = 0
+        self.clocks: dict[int, _Clock] = {}
+        self.listener = socket.create_server((address, 0))
+        self.listener.setblocking(False)
+        self.store.set("liveness", f"{address}:{self.listener.getsockname()[1]}")
+        self.links: dict[socket.socket, int | None] = {}
+        self.gone: set[int] = set()
+        """Hosts whose agent's connection closed: lost for good."""
+
+    def _watch_links(self) -> None:
+        """Accepts the other agents' connections and notes the ones that closed."""
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except BlockingIOError:
+                break
+            self.links[conn] = None
+        if not self.links:
+            return
+        readable, _, _ = select.select(list(self.links), [], [], 0)
+        for conn in readable:
+            try:
+                data = conn.recv(64)
+            except OSError:
+                data = b""
+            if data:
+                self.links[conn] = int(data.split(b"\n")[0])
+                continue
+            h = self.links.pop(conn)
+            conn.close()
+            if h is not None and h not in self.gone:
+                self.gone.add(h)
+                logger.warning("host %d's agent is gone (its connection closed): its members "
+                               "are lost", h)
+
+    def reports(self, hosts: int, now: float) -> dict[int, HostReport]:
+        """The reports of every other host still heard from."""
+        self._watch_links()
+        out: dict[int, HostReport] = {}
+        for h in range(hosts):
+            if h == self.host_index or h in self.gone or not self.store.check([f"report/{h}"]):
+                continue
+            raw = json.loads(self.store.get(f"report/{h}"))
+            clock = self.clocks.setdefault(h, _Clock(now))
+            clock.see(raw["seq"], now)
+            if now - clock.changed_at < HOST_LOST_S:
+                out[h] = HostReport.from_json(raw["report"])
+            elif clock.changed_at > 0 and not getattr(clock, "said", False):
+                logger.warning("host %d not heard from for %.1fs: its members are lost", h,
+                               now - clock.changed_at)
+                clock.said = True  # type: ignore[attr-defined]
+        return out
+
+    def publish(self, record: Record) -> None:
+        self.store.set(f"gen/{record.generation}",
+                       json.dumps({"members": record.members, "store": record.store}))
+        self.store.set("gen", str(record.generation))
+
+    def fence(self, fence: Mapping[int, str]) -> None:
+        for m, why in fence.items():
+            self.store.set(f"fence/{m}", why)
+
+    def finishing(self) -> None:
+        self.store.set("finishing", "1")
+
+    def end(self, code: int, heard: list[int], wait_s: float = 5.0) -> None:
+        """Publishes the job's end and waits (bounded) until every host still heard from saw
+        it: a host that missed it would take the coordinator's exit for a cut-off."""
+        self.store.set("end", str(code))
+        deadline = time.monotonic() + wait_s
+        keys = [f"ack/{h}" for h in heard if h != self.host_index]
+        while keys and not self.store.check(keys) and time.monotonic() < deadline:
+            self.beat()
+            time.sleep(0.01)
+
+    def beat(self) -> None:
+        self.seq += 1
+        self.store.set("beat", str(self.seq))
+
+
+class Following:
+    """A follower's side: sends its report, reads the decisions, notices a lost coordinator."""
+
+    def __init__(self, coordinator: str, host_index: int, now: float) -> None:
+        host, _, port = coordinator.rpartition(":")
+        self.client = dist.TCPStore(host, int(port), is_master=False,
+                                    timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+        self.store = dist.PrefixStore(CLUSTER, self.client)
+        self.host_index = host_index
+        self.seq = 0
+        self.beat = _Clock(now)
+        self.generation = -1
+        self.link = self._connect_liveness()
+
+    def _connect_liveness(self) -> socket.socket:
+        """The connection whose closing tells the coordinator this agent is gone; held for
+        the agent's life, never read."""
+        host, _, port = self.store.get("liveness").decode().rpartition(":")
+        link = socket.create_connection((host, int(port)), timeout=STORE_TIMEOUT_S)
+        link.sendall(f"{self.host_index}\n".encode())
+        return link
+
+    def send(self, report: HostReport) -> None:
+        self.seq += 1
+        self.store.set(f"report/{self.host_index}",
+                       json.dumps({"seq": self.seq, "report": report.to_json()}))
+
+    def heard(self, now: float) -> bool:
+        """False once the coordinator's beat has not moved for `CUT_OFF_S`."""
+        try:
+            self.beat.see(self.store.get("beat") if self.store.check(["beat"]) else None, now)
+        except Exception:  # a store that does not answer: the time counts on
+            pass
+        return now - self.beat.changed_at < CUT_OFF_S
+
+    def newest(self) -> Record | None:
+        if not self.store.check(["gen"]):
+            return None
+        g = int(self.store.get("gen"))
+        if g <= self.generation:
+            return None
+        raw = json.loads(self.store.get(f"gen/{g}"))
+        self.generation = g
+        return Record(g, [int(m) for m in raw["members"]], str(raw["store"]))
+
+    def fences(self, members: list[int]) -> dict[int, str]:
+        return {m: self.store.get(f"fence/{m}").decode() for m in members
+                if self.store.check([f"fence/{m}"])}
+
+    def finishing(self) -> bool:
+        return self.store.check(["finishing"])
+
+    def ended(self) -> int | None:
+        """The job's exit code once the coordinator ended it (this host acknowledges)."""
+        if not self.store.check(["end"]):
+            return None
+        code = int(self.store.get("end"))
+        self.store.set(f"ack/{self.host_index}", "1")
+        return code

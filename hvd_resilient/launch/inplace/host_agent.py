@@ -1,0 +1,189 @@
+"""One host's agent: starts and watches this host's workers, hosts the store they talk to, and
+carries out the generations the coordinator decides (`decide`).
+
+Its workers speak only to this store (`backends/inplace/membership.py`: ``want``, ``evict``,
+``ready``, ``busy`` keys in, ``gen`` records out), whichever agent coordinates and wherever the
+generation's group forms: `report` reads their keys into a `decide.HostReport`, `mirror` writes a
+decided generation's record (its members and the address of the store its group forms on) for
+them to read, `fence` ends the members a decision drops. It is never a training rank, so the
+store outlives any worker.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+
+import torch.distributed as dist
+
+from hvd_resilient.backends.inplace.membership import (
+    AGENT_ENV,
+    MEMBER_ENV,
+    MEMBER_STRIDE,
+    PREFIX,
+    evict_key,
+    gen_key,
+    is_busy,
+    ready_key,
+    store_key,
+    want_key,
+)
+from hvd_resilient.die_with_parent import die_with_parent
+from hvd_resilient.errors import FATAL_EXIT_CODE
+from hvd_resilient.launch.inplace.decide import HostReport
+from hvd_resilient.launch.inplace_unadopted import REFUSAL, StderrWatch
+
+logger = logging.getLogger(__name__)
+WATCH_JOIN_S = 5.0
+"""How long the agent waits for the last stderr line of a worker that exited on its own
+(code > 0), where a child of it (a loader worker) still holds the pipe; a killed worker is
+judged at once."""
+
+
+class HostAgent:
+    def __init__(self, cmd: Sequence[str], nproc: int, *, host_index: int = 0,
+                 address: str = "127.0.0.1", replace: bool = False, standby: int = 0) -> None:
+        self.cmd, self.nproc, self.host_index = list(cmd), nproc, host_index
+        self.replace, self.standby = replace, standby
+        self.first_member = host_index * MEMBER_STRIDE
+        self.next_member = self.first_member + nproc + standby
+        self.server = dist.TCPStore(address, 0, is_master=True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=60))
+        self.store = dist.PrefixStore(PREFIX, self.server)
+        self.address = f"{address}:{self.server.port}"
+        self.alive: dict[int, subprocess.Popen[bytes]] = {}
+        self.start_members: list[int] = []
+        self.finished: set[int] = set()
+        self.failed: dict[int, int] = {}
+        self.generation = -1
+        self.members: list[int] = []
+        self.stopping = False
+        self.finishing = False
+        """The coordinator said the run is ending: no replacement is started any more."""
+        self._ended: set[int] = set()
+        self.watches: dict[int, StderrWatch] = {}
+        self.unadopted = False
+
+    def start(self) -> None:
+        """Every first worker and standby; before any reads it, whether workers join later."""
+        self.store.set("joins", "1" if self.replace or self.standby else "0")
+        for n in range(self.nproc + self.standby):
+            self._start(self.first_member + n)
+        self.start_members = [self.first_member + n for n in range(self.nproc)]
+
+    def _start(self, member: int) -> None:
+        env = {**os.environ, AGENT_ENV: self.address, MEMBER_ENV: str(member),
+               "PYTHONUNBUFFERED": "1"}
+        parent = os.getpid()
+        p = self.alive[member] = subprocess.Popen(
+            self.cmd, env=env, stderr=subprocess.PIPE,
+            preexec_fn=lambda: die_with_parent(parent))
+        assert p.stderr is not None
+        self.watches[member] = StderrWatch(p.stderr, sys.stderr.fileno())
+
+    def reap(self) -> None:
+        """Notes every worker that exited; starts a replacement for a lost one (--replace)."""
+        for m, p in list(self.alive.items()):
+            rc = p.poll()
+            if rc is None:
+                continue
+            del self.alive[m]
+            watch = self.watches.pop(m, None)
+            if watch is not None and rc > 0:  # an exit of its own: maybe after a traceback,
+                watch.join(WATCH_JOIN_S)     # read before the exit is judged (never a signal's)
+                if watch.unadopted:
+                    self.unadopted = True
+                    continue
+            if rc == 0:
+                self.finished.add(m)
+            else:
+                self.failed[m] = rc
+                logger.warning("member %d exited (code %d)", m, rc)
+                # 78: a fault of the job itself (a bad config), which a newcomer would repeat
+                if (self.replace and rc != FATAL_EXIT_CODE and not self.finished
+                        and not self.finishing and not self.stopping):
+                    self._start(self.next_member)
+                    logger.info("member %d started in place of member %d", self.next_member, m)
+                    self.next_member += 1
+
+    def report(self) -> HostReport:
+        """What the coordinator needs of this host, read from its workers' keys."""
+        asked = {}
+        for m in self.alive:
+            key = want_key(m)
+            if self.store.check([key]):
+                asked[m] = int(self.store.get(key))
+        evict = {}  # the silent peers this host's workers found: members of any host
+        for m in self.members:
+            key = evict_key(m)
+            if self.store.check([key]):
+                evict[m] = self.store.get(key).decode()
+        return HostReport(
+            start=self.start_members, alive=sorted(self.alive), asked=asked,
+            ready=[m for m in sorted(self.alive) if m not in self.members
+                   and self.store.check([ready_key(m)])],
+            busy=[m for m in self.alive if is_busy(self.store, m)],
+            finished=sorted(self.finished), failed=dict(self.failed), evict=evict,
+            stopping=self.stopping, unadopted=REFUSAL if self.unadopted else None)
+
+    def mirror(self, g: int, members: list[int], store: str) -> None:
+        """Generation ``g`` for this host's workers: the record before the number they poll."""
+        if g <= self.generation:
+            return
+        self.store.set(store_key(g), store)
+        self.store.set(gen_key(g), json.dumps(members))
+        self.store.set("gen", str(g))
+        self.generation, self.members = g, members
+
+    def fence(self, members: Sequence[int], why: str) -> None:
+        """Ends this host's workers among ``members`` (SIGKILL works on a stopped one too)."""
+        for m in members:
+            p = self.alive.get(m)
+            if p is not None and p.poll() is None and m not in self._ended:
+                logger.warning("ending member %d: %s", m, why)
+                p.kill()
+                self._ended.add(m)
+
+    def end_standbys(self) -> None:
+        """The run is over (or stopping): workers that never joined hold nothing; they are
+        waiting for a generation that will not come."""
+        self.finishing = True
+        for m, p in self.alive.items():
+            if m not in self.members and m not in self._ended and p.poll() is None:
+                logger.info("ending standby member %d: the run is over", m)
+                p.kill()
+                self._ended.add(m)
+
+    def end_all(self, refusal: bool = False) -> None:
+        """The job is over here: every worker left is ended (``refusal``: killed mid-traceback,
+        no half of torch's to print)."""
+        if refusal:
+            for w in self.watches.values():
+                w.ending = True
+        for p in self.alive.values():
+            if p.poll() is None:
+                p.kill()
+
+    def finish(self) -> None:
+        """Every worker waited for, and its last lines passed on."""
+        for p in self.alive.values():
+            p.wait()
+        for w in self.watches.values():
+            w.join(WATCH_JOIN_S)
+
+    def forward(self, signum: int) -> None:
+        """A stop for the whole host: every worker gets the signal (its final checkpoint)."""
+        self.stopping = True
+        for p in self.alive.values():
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    def install_signals(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, _frame: self.forward(signum))

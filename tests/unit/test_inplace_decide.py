@@ -1,0 +1,142 @@
+"""The coordinator's decisions across hosts (`launch/inplace/decide.py`), from reports alone:
+the rules that the agents carry out, without a process."""
+
+from __future__ import annotations
+
+from hvd_resilient.backends.inplace.membership import MEMBER_STRIDE, host_of
+from hvd_resilient.launch.inplace.decide import Coordinator, HostReport
+
+H1 = MEMBER_STRIDE  # host 1's first member
+
+
+def nobody_at_the_door(g: int, members: list[int]) -> set[int]:
+    return set()
+
+
+def started(coord: Coordinator, reports: dict[int, HostReport]) -> None:
+    d = coord.first(reports)
+    assert d.publish == [0, 1, H1, H1 + 1]
+
+
+def two_hosts() -> dict[int, HostReport]:
+    return {0: HostReport(start=[0, 1], alive=[0, 1]),
+            1: HostReport(start=[H1, H1 + 1], alive=[H1, H1 + 1])}
+
+
+def test_member_ids_say_their_host():
+    assert host_of(3) == 0 and host_of(H1 + 3) == 1 and host_of(2 * MEMBER_STRIDE) == 2
+
+
+def test_generation_zero_is_every_hosts_first_workers_host_by_host():
+    coord = Coordinator(4, 1, 60.0)
+    started(coord, {1: HostReport(start=[H1 + 1, H1]), 0: HostReport(start=[1, 0])})
+
+
+def test_a_host_no_longer_heard_from_costs_its_members_once_the_others_asked():
+    coord = Coordinator(4, 1, 60.0)
+    started(coord, two_hosts())
+    survivors = {0: HostReport(alive=[0, 1], asked={0: 0})}
+    assert coord.step(survivors, 1.0, nobody_at_the_door).publish is None  # 1 still training
+    survivors[0].asked[1] = 0
+    assert coord.step(survivors, 1.1, nobody_at_the_door).publish == [0, 1]
+
+
+def test_survivors_keep_their_ranks_and_newcomers_come_after_them():
+    """Rank 0 must hold the state the sync spreads: host 0's members all died, a replacement
+    started there gets a lower id than host 1's survivors and must still not become rank 0."""
+    coord = Coordinator(4, 1, 60.0)
+    started(coord, two_hosts())
+    reports = {0: HostReport(alive=[2], ready=[2]),
+               1: HostReport(alive=[H1, H1 + 1], asked={H1: 0, H1 + 1: 0})}
+    d = coord.step(reports, 1.0, nobody_at_the_door)
+    assert d.publish == [H1, H1 + 1, 2], d
+
+
+def test_a_member_silent_to_its_peers_is_fenced_on_whichever_host():
+    coord = Coordinator(4, 1, 60.0)
+    started(coord, two_hosts())
+    reports = two_hosts()
+    reports[0].evict = {H1 + 1: "no heartbeat for 1.5s"}
+    reports[0].asked = {0: 0, 1: 0}
+    reports[1].asked = {H1: 0}
+    d = coord.step(reports, 1.0, nobody_at_the_door)
+    assert set(d.fence) == {H1 + 1} and "silent" in d.fence[H1 + 1]
+    assert d.publish == [0, 1, H1]
+
+
+def test_a_member_that_never_asks_is_fenced_at_the_last_call():
+    coord = Coordinator(4, 1, 0.5)
+    started(coord, two_hosts())
+    reports = two_hosts()
+    reports[0].asked = {0: 0, 1: 0}
+    reports[1].asked = {H1: 0}
+    assert coord.step(reports, 10.0, nobody_at_the_door).publish is None
+    d = coord.step(reports, 10.6, nobody_at_the_door)
+    assert d.publish == [0, 1, H1] and set(d.fence) == {H1 + 1}
+
+
+def test_a_busy_member_is_waited_for_past_the_last_call():
+    coord = Coordinator(4, 1, 0.5)
+    started(coord, two_hosts())
+    reports = two_hosts()
+    reports[0].asked = {0: 0, 1: 0}
+    reports[1].asked = {H1: 0}
+    reports[1].busy = [H1 + 1]
+    coord.step(reports, 10.0, nobody_at_the_door)
+    d = coord.step(reports, 20.0, nobody_at_the_door)
+    assert d.publish is None and not d.fence
+
+
+def test_below_min_np_every_live_member_is_fenced_and_the_job_ends_1():
+    coord = Coordinator(4, 3, 60.0)
+    started(coord, two_hosts())
+    d = coord.step({0: HostReport(alive=[0, 1], asked={0: 0, 1: 0})}, 1.0, nobody_at_the_door)
+    assert d.end == 1 and set(d.fence) == {0, 1} and d.publish is None
+
+
+def test_the_end_code_is_a_workers_own_never_a_signals():
+    coord = Coordinator(4, 1, 60.0)
+    started(coord, two_hosts())
+    d = coord.step({0: HostReport(failed={0: -9, 1: 78}), 1: HostReport(failed={H1: 3})}, 1.0,
+                   nobody_at_the_door)
+    assert d.end == 78
+    done = Coordinator(4, 1, 60.0)
+    started(done, two_hosts())
+    assert done.step({0: HostReport(finished=[0, 1]), 1: HostReport(finished=[H1, H1 + 1])},
+                     1.0, nobody_at_the_door).end == 0
+
+
+def test_a_finished_member_ends_the_run_without_a_new_generation():
+    coord = Coordinator(4, 1, 60.0)
+    started(coord, two_hosts())
+    reports = two_hosts()
+    reports[1] = HostReport(alive=[H1 + 1, H1 + 2], finished=[H1], ready=[H1 + 2])
+    d = coord.step(reports, 1.0, nobody_at_the_door)
+    assert d.finishing and d.publish is None
+
+
+def test_members_at_the_door_count_as_asking_when_a_member_is_lost():
+    coord = Coordinator(4, 1, 60.0)
+    started(coord, two_hosts())
+    reports = {0: HostReport(alive=[0, 1]), 1: HostReport(alive=[H1])}
+    d = coord.step(reports, 1.0, lambda g, members: set(members))
+    assert d.publish == [0, 1, H1]
+
+
+def test_a_waiting_worker_joins_while_there_is_a_place():
+    coord = Coordinator(4, 1, 60.0)
+    started(coord, two_hosts())
+    coord.step({0: HostReport(alive=[0, 1], asked={0: 0, 1: 0}),
+                1: HostReport(alive=[H1], asked={H1: 0})}, 1.0, nobody_at_the_door)
+    assert coord.members == [0, 1, H1]
+    d = coord.step({0: HostReport(alive=[0, 1]), 1: HostReport(alive=[H1, H1 + 5],
+                                                               ready=[H1 + 5])},
+                   2.0, nobody_at_the_door)
+    assert d.publish == [0, 1, H1, H1 + 5]
+
+
+def test_reports_cross_the_wire_unchanged():
+    rep = HostReport(start=[0], alive=[0, H1], asked={H1: 3}, ready=[2], busy=[0],
+                     finished=[5], failed={6: -9}, evict={H1: "silent"}, stopping=True,
+                     unadopted=None)
+    assert HostReport.from_json(rep.to_json()) == rep
