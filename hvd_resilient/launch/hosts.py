@@ -1,8 +1,8 @@
 """`--hosts h1:2,h2:2`: parsed and checked once, before any launcher sees it.
 
-The hostnames go to ssh (Horovod's and mpirun's), so they are validated here; and a host that
-cannot be reached would make the launcher hang or print pages of ssh errors, so it is probed
-first, with one line for what failed.
+The hostnames go to ssh (Horovod's, mpirun's and the in-place fan-out's), so they are validated
+here; and a host that cannot be reached would make the launcher hang or print pages of ssh
+errors, so it is probed first, with one line for what failed.
 """
 
 from __future__ import annotations
@@ -34,9 +34,11 @@ def hosts_arg(hosts: list[tuple[str, int]]) -> str:
     return ",".join(f"{h}:{n}" for h, n in hosts)
 
 
-def _is_local(host: str) -> bool:
+def is_local(host: str) -> bool:
     """Horovod's rule: local (started without ssh) iff the name resolves to an address of a
-    local interface; 127.0.0.2 is not one unless it was added to lo."""
+    local interface; 127.0.0.2 is not one unless it was added to lo. The in-place fan-out
+    (`launch/inplace/fanout.py`) starts a host's agent by the same rule, so that what is probed
+    over ssh is what is reached over ssh."""
     import psutil
 
     try:
@@ -52,7 +54,7 @@ def check_hosts_reachable(hosts: list[tuple[str, int]], ssh_port: int) -> None:
     """The launcher would hang or print pages of ssh errors; one line before it starts."""
     from hvd_resilient.discovery.health import probe_hosts
 
-    remote = [h for h, _ in hosts if not _is_local(h)]
+    remote = [h for h, _ in hosts if not is_local(h)]
     failed = {h: why for h, why in probe_hosts(remote, ssh_port, 2.0).items() if why}
     if failed:
         detail = "; ".join(f"{h}: {why}" for h, why in sorted(failed.items()))

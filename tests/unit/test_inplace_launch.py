@@ -31,8 +31,8 @@ def test_run_builds_the_agent_command_line_with_its_sizes():
     assert f"-m hvd_resilient.launch.inplace_agent --nproc 4 --min-np 2 -- {sys.executable} t.py" \
         in line
     assert "--replace --" in " ".join(command("--launcher", "inplace", "--replace"))
-    with pytest.raises(ConfigError, match="--hosts applies to --launcher horovod or mpi only"):
-        command("--launcher", "inplace", "--hosts", "h1:2")
+    assert "-m hvd_resilient.launch.inplace.fanout --hosts h1:2" in " ".join(
+        command("--launcher", "inplace", "--hosts", "h1:2", "--np", "2"))  # test_inplace_fanout
     with pytest.raises(ConfigError, match="--replace applies to --launcher inplace only"):
         command("--launcher", "torchrun", "--replace")
     assert f"--nproc 4 --min-np 1 --standby 2 -- {sys.executable} t.py" in " ".join(

@@ -1,10 +1,17 @@
-"""`--launcher inplace`: the in-place agent (`launch/inplace_agent.py`) on this machine; the
-survivors of a fault keep their processes and go on in the next generation, and below
---min-np the agent ends the job for `hvd-resilient run` to relaunch.
+"""`--launcher inplace`: the in-place agent (`launch/inplace_agent.py`); the survivors of a
+fault keep their processes and go on in the next generation, and below --min-np the agent ends
+the job for `hvd-resilient run` to relaunch.
 
-The agent passes a signal on to every worker itself, and its workers are in its process group:
-a signal to `hvd-resilient run` goes to the group, as it came. It runs on this machine only
-for now: --hosts is not among the options it takes.
+Without --hosts, one agent on this machine starts --np workers. The agent passes a signal on to
+every worker itself, and its workers are in its process group: a signal to `hvd-resilient run`
+goes to the group, as it came.
+
+With --hosts h1:2,h2:2 the fan-out (`launch/inplace/fanout.py`) starts one agent per host (its
+slots are that host's workers, --np only may not exceed their sum): host 0's coordinates, the
+others over ssh (--ssh-port) unless they are this machine. The agents run in sessions of their
+own, so the same signal to the group reaches the fan-out alone, which passes it on to every
+agent through its stdin; the forwarded variables go to them that way too, never on a command
+line.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from hvd_resilient.errors import ConfigError
+from hvd_resilient.launch.hosts import check_hosts_reachable, hosts_arg, parse_hosts
 from hvd_resilient.launch.run_options import RunOptions
 
 
@@ -41,10 +49,24 @@ def inplace_command(nproc: int, min_np: int, train_cmd: list[str], *,
             *(["--standby", str(standby)] if standby else []), "--", *train_cmd]
 
 
+def fanout_command(hosts: list[tuple[str, int]], ssh_port: int, min_np: int | None,
+                   env_names: list[str], train_cmd: list[str], *, replace: bool = False,
+                   standby: int = 0) -> list[str]:
+    """One agent per host (`launch/inplace/fanout.py`), each with its host's slots; ``min_np``
+    for the whole job (None: the agent's default). ``env_names`` are names only: their values
+    reach the agents on their stdin, never on a command line."""
+    return [sys.executable, "-m", "hvd_resilient.launch.inplace.fanout",
+            "--hosts", hosts_arg(hosts), "--ssh-port", str(ssh_port),
+            *(["--min-np", str(min_np)] if min_np is not None else []),
+            *(["--replace"] if replace else []),
+            *(["--standby", str(standby)] if standby else []),
+            "--env-names", ",".join(sorted(env_names)), "--", *train_cmd]
+
+
 class Inplace:
     name: ClassVar[str] = "inplace"
     options: ClassVar[type] = InplaceOptions
-    shared: ClassVar[frozenset[str]] = frozenset({"min_np"})
+    shared: ClassVar[frozenset[str]] = frozenset({"min_np", "hosts", "ssh_port"})
     stop_signal: ClassVar[signal.Signals | None] = None
     signal_group: ClassVar[bool] = True
 
@@ -52,14 +74,28 @@ class Inplace:
         self.own = own
 
     def check(self, opts: RunOptions) -> None:
+        """With --hosts, each host's slots are its workers: --np (2 when not given) may be
+        fewer than their sum, never more."""
         if self.own.standby < 0:
             raise ConfigError(f"run: --standby must be >= 0, got {self.own.standby}")
+        if opts.hosts:
+            slots = sum(n for _, n in parse_hosts(opts.hosts))
+            if opts.np > slots:
+                raise ConfigError(f"run: --np {opts.np} is more than the {slots} slots in "
+                                  f"--hosts {opts.hosts}")
 
     def probe(self, opts: RunOptions) -> None:
-        """Nothing to reach ahead: every worker runs on this machine."""
+        """With --hosts, the remote ones reachable over ssh; without, nothing to reach."""
+        if opts.hosts:
+            check_hosts_reachable(parse_hosts(opts.hosts), opts.ssh_port)
 
     def command(self, opts: RunOptions, env_names: list[str]) -> list[str]:
-        """The agent passes its whole environment on: ``env_names`` is not needed."""
+        """With --hosts, the fan-out sends ``env_names``' values to every agent; without, the
+        one agent passes its whole environment on, and ``env_names`` is not needed."""
+        if opts.hosts:
+            return fanout_command(parse_hosts(opts.hosts), opts.ssh_port, opts.min_np,
+                                  env_names, opts.command, replace=self.own.replace,
+                                  standby=self.own.standby)
         return inplace_command(opts.np, opts.min_np or 1, opts.command,
                                replace=self.own.replace, standby=self.own.standby)
 

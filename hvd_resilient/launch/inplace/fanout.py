@@ -1,0 +1,363 @@
+"""`--launcher inplace --hosts h1:2,h2:2`: one in-place agent per host, host 0's first.
+
+    python -m hvd_resilient.launch.inplace.fanout --hosts h1:2,h2:2 [--ssh-port P]
+        [--min-np M] [--last-call S] [--replace] [--standby K] [--env-names A,B] -- CMD...
+
+Host 0's agent coordinates (it hosts the store and decides the generations), so it starts
+first, and the others are only started once it has printed where its store listens
+(`hvd-resilient-coordinator HOST:PORT`, one line on its stdout): each of them is given that
+address (`--coordinator`). A host is started without ssh when its name is an address of this
+machine (`hosts.is_local`, the rule the reachability probe uses), else through
+`ssh -o BatchMode=yes`, in this directory with this interpreter (the hosts share the
+filesystem, as horovodrun assumes).
+
+Every agent runs with `--control-stdin`, and its stdin is a pipe held by this process for as
+long as it runs:
+
+* the first line is the environment the agent and its workers get, as JSON: the variables the
+  launch forwards (`--env-names`, names only on this command line) and PYTHONPATH, PATH and
+  VIRTUAL_ENV. It crosses ssh there rather than on a command line, where `ps` on either side
+  would show credentials; it is never logged.
+* a SIGTERM or SIGINT to this process becomes a `TERM` or `INT` line to every agent, which
+  passes the signal on to its workers (their final checkpoint). Killing ssh instead would cut
+  the remote workers off without one. The agents run in sessions of their own, so a signal to
+  this process's group (as `hvd-resilient run` sends it) reaches them only this way.
+* EOF: this process is gone (however it ended); each agent ends its workers and exits.
+
+The job's exit code is host 0's agent's. Host 0's ssh ending 255 (ssh's own failure, or the
+connection lost) is reported as such, exit 1: no agent exit code is known then. Once host 0's
+agent has ended, the others have no coordinator: they get `--end-grace` seconds to end, then
+their stdin is closed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import queue
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from types import FrameType
+from typing import IO
+
+from hvd_resilient.cli_errors import exit_on_error
+from hvd_resilient.errors import ConfigError
+from hvd_resilient.launch.executables import require
+from hvd_resilient.launch.hosts import is_local, parse_hosts
+
+AGENT_MODULE = "hvd_resilient.launch.inplace_agent"
+AGENT_MODULE_ENV = "HVD_RESILIENT_INPLACE_AGENT_MODULE"
+"""Test hook, and read only by `agent_module`: the module run in place of the agent
+(`tests/scripts/fake_inplace_agent.py` in `tests/unit/test_inplace_fanout.py`). Never set it
+for a real job."""
+COORDINATOR_LINE = "hvd-resilient-coordinator"
+"""What host 0's agent prints, followed by ``HOST:PORT``, once its store listens."""
+CARRIED = ("PYTHONPATH", "PATH", "VIRTUAL_ENV")
+"""Sent to every agent beyond the launch's own names: the same interpreter and packages."""
+STOPS = {signal.SIGTERM: "TERM", signal.SIGINT: "INT"}
+SSH_FAILED = 255
+END_WAIT_S = 10.0
+"""How long an agent whose stdin was closed has to end its workers before it is killed."""
+PASS_JOIN_S = 5.0
+"""How long host 0's last output lines may take once its agent has exited."""
+
+
+def agent_module() -> str:
+    """The one place the test hook is read."""
+    return os.environ.get(AGENT_MODULE_ENV) or AGENT_MODULE
+
+
+def agent_args(a: argparse.Namespace, index: int, hosts: list[tuple[str, int]],
+               coordinator: str | None) -> list[str]:
+    """The agent's options on host ``index``: its own slots as --nproc; the job's sizes."""
+    host, slots = hosts[index]
+    return ["--nproc", str(slots),
+            *(["--min-np", str(a.min_np)] if a.min_np is not None else []),
+            *(["--last-call", f"{a.last_call:g}"] if a.last_call is not None else []),
+            *(["--replace"] if a.replace else []),
+            *(["--standby", str(a.standby)] if a.standby else []),
+            "--host-index", str(index), "--hosts-count", str(len(hosts)), "--address", host,
+            *(["--coordinator", coordinator] if coordinator else []),
+            "--control-stdin", "--", *a.cmd]
+
+
+def agent_command(host: str, args: list[str], *, local: bool, ssh_port: int) -> list[str]:
+    """This interpreter running the agent: here, or in this directory on ``host`` over ssh
+    (every word quoted: the remote shell reads them)."""
+    here = [sys.executable, "-m", agent_module(), *args]
+    if local:
+        return here
+    remote = f"cd {shlex.quote(os.getcwd())} && exec {shlex.join(here)}"
+    return [require("ssh", "install an ssh client (apt-get install openssh-client)"),
+            "-p", str(ssh_port), "-o", "BatchMode=yes", host, remote]
+
+
+def environment_line(names: Sequence[str]) -> bytes:
+    """The agents' environment, the first line of their stdin: never on a command line."""
+    env = {n: os.environ[n] for n in (*names, *CARRIED) if n in os.environ}
+    return (json.dumps(env) + "\n").encode()
+
+
+def exit_code(returncode: int) -> int:
+    """A process killed by signal N exits 128 + N, as a shell says."""
+    return returncode if returncode >= 0 else 128 - returncode
+
+
+def _say(line: str) -> None:
+    print(f"hvd-resilient: {line}", file=sys.stderr, flush=True)
+
+
+class HostAgent:
+    """One host's agent (or the ssh running it), and the write end of its stdin."""
+
+    def __init__(self, index: int, host: str, cmd: list[str], *, local: bool,
+                 capture: bool) -> None:
+        self.index, self.host, self.local = index, host, local
+        # a session of its own: a signal to our group must reach it as a line, not as a signal
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, start_new_session=True,
+                                     stdout=subprocess.PIPE if capture else None)
+        assert self.proc.stdin is not None
+        self._stdin: IO[bytes] = self.proc.stdin
+        self._open = True
+        self.ready = False
+        """Its environment line is written: signal words may follow."""
+        self.told = 0
+        """How many of the fan-out's signal words it was sent."""
+
+    @property
+    def name(self) -> str:
+        return f"host {self.index} ({self.host})"
+
+    def send(self, data: bytes) -> None:
+        """Unbuffered (a signal handler writes here too); an agent already gone is not an
+        error here: its exit code says what happened."""
+        if not self._open:
+            return
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(self._stdin.fileno(), view):]
+        except OSError:
+            pass
+
+    def catch_up(self, words: Sequence[str]) -> None:
+        """Every signal word not yet sent to it, each once, in order; safe to call again from
+        the signal handler at any point of a call here (it runs in the main thread, between
+        two lines of this one), so no signal is lost or doubled while an agent starts."""
+        while self.ready and self.told < len(words):
+            word = words[self.told]
+            self.told += 1
+            self.send(f"{word}\n".encode())
+
+    def hang_up(self) -> None:
+        """EOF on its stdin: it ends its workers and exits."""
+        self._open = False  # first: a signal handler running now must not write to it
+        with contextlib.suppress(OSError):
+            self._stdin.close()
+
+    def wait(self, timeout: float) -> int | None:
+        try:
+            return self.proc.wait(timeout=max(timeout, 0.0))
+        except subprocess.TimeoutExpired:
+            return None
+
+
+def end(agents: Sequence[HostAgent]) -> None:
+    """Every agent's stdin closed (it ends its workers), then, after END_WAIT_S, whatever is
+    left killed with its session (ssh with it: the remote agent sees EOF)."""
+    for agent in agents:
+        agent.hang_up()
+    deadline = time.monotonic() + END_WAIT_S
+    for agent in agents:
+        if agent.wait(deadline - time.monotonic()) is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(agent.proc.pid, signal.SIGKILL)
+            agent.proc.wait()
+
+
+class Passthrough:
+    """Host 0's stdout: the coordinator's address taken from it, once; every other line is the
+    job's output, passed on to ours."""
+
+    def __init__(self, stream: IO[bytes]) -> None:
+        self.address: queue.Queue[str | None] = queue.Queue(maxsize=1)
+        self.thread = threading.Thread(target=self._run, args=(stream,), daemon=True,
+                                       name="host0-stdout")
+        self.thread.start()
+
+    def _run(self, stream: IO[bytes]) -> None:
+        prefix = f"{COORDINATOR_LINE} ".encode()
+        found = False
+        for line in iter(stream.readline, b""):
+            if not found and line.startswith(prefix):
+                found = True
+                self.address.put(line[len(prefix):].strip().decode(errors="replace"))
+                continue
+            with contextlib.suppress(OSError):  # our reader gone: keep draining the agent
+                sys.stdout.buffer.write(line)
+                sys.stdout.buffer.flush()
+        if not found:
+            self.address.put(None)  # its stdout closed before the line: it has ended
+        stream.close()
+
+
+class Fanout:
+    """The agents of one job, host 0's first, and what this process tells them."""
+
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.a = a
+        self.hosts = parse_hosts(a.hosts)
+        self.env_line = environment_line([n for n in a.env_names.split(",") if n])
+        self.agents: list[HostAgent] = []
+        self.told: list[str] = []
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        """Passed on as a line to every agent: each stops its workers gracefully."""
+        word = STOPS[signal.Signals(signum)]
+        self.told.append(word)
+        for agent in self.agents:
+            agent.catch_up(self.told)
+
+    def run(self) -> int:
+        for sig in STOPS:
+            signal.signal(sig, self._on_signal)
+        try:
+            return self._run()
+        except BaseException:
+            end(self.agents)
+            raise
+
+    def _start(self, index: int, coordinator: str | None) -> HostAgent:
+        host = self.hosts[index][0]
+        local = is_local(host)
+        cmd = agent_command(host, agent_args(self.a, index, self.hosts, coordinator),
+                            local=local, ssh_port=self.a.ssh_port)
+        agent = HostAgent(index, host, cmd, local=local, capture=index == 0)
+        agent.send(self.env_line)
+        agent.ready = True
+        self.agents.append(agent)
+        agent.catch_up(self.told)  # a signal that came while it was being started
+        return agent
+
+    def _run(self) -> int:
+        if self.told:  # stopped before anything started
+            return 128 + next(s for s, w in STOPS.items() if w == self.told[0])
+        host0 = self._start(0, None)
+        assert host0.proc.stdout is not None
+        out = Passthrough(host0.proc.stdout)
+        try:
+            address = out.address.get(timeout=self.a.start_timeout)
+        except queue.Empty:
+            address, why = None, (f"printed no coordinator address within "
+                                  f"{self.a.start_timeout:g} s")
+        else:
+            why = "" if address else self._why_no_address(host0)
+        if not address:
+            end(self.agents)
+            if self.told:  # stopped while starting: not a failure to start
+                return exit_code(host0.proc.wait())
+            _say(f"error: in-place agent of {host0.name}, the coordinator, {why}; "
+                 f"{self._what_to_check(host0)}; nothing else was started")
+            return 1
+        try:
+            for index in range(1, len(self.hosts)):
+                if self.told:
+                    break
+                self._start(index, address)
+        except OSError as e:
+            end(self.agents)
+            _say(f"error: cannot start the in-place agent of host {index} "
+                 f"({self.hosts[index][0]}): {e}; every agent started was ended")
+            return 1
+        return self._wait(host0, out)
+
+    def _why_no_address(self, host0: HostAgent) -> str:
+        code = host0.wait(END_WAIT_S)
+        if code is None:
+            return "closed its output without printing its address"
+        if not host0.local and code == SSH_FAILED:
+            return "could not be reached: ssh failed (exit 255)"
+        return f"exited with code {exit_code(code)} before printing its address"
+
+    def _what_to_check(self, host0: HostAgent) -> str:
+        run = f"{sys.executable} -m {agent_module()}"
+        if host0.local:
+            return f"check its output above, and that `{run}` runs here"
+        return (f"check its output above, that `ssh -p {self.a.ssh_port} {host0.host}` logs "
+                f"in without a password, and that `{run}` runs there in {os.getcwd()} (the "
+                "hosts share the filesystem)")
+
+    def _wait(self, host0: HostAgent, out: Passthrough) -> int:
+        """Host 0's exit code, once every agent has ended; the others' own exits say nothing
+        of the job (host 0 decides it), beyond an ssh that failed."""
+        watchers = [threading.Thread(target=self._watch, args=(a,), daemon=True)
+                    for a in self.agents[1:] if not a.local]
+        for w in watchers:
+            w.start()
+        code = host0.proc.wait()
+        out.thread.join(timeout=PASS_JOIN_S)
+        self._let_others_end()
+        end(self.agents)  # every one has exited by now: only their pipes are closed
+        if not host0.local and code == SSH_FAILED:
+            _say(f"error: ssh to {host0.name}, the coordinator, ended with 255: the "
+                 "connection was lost or ssh failed, and its agent's exit code is not known")
+            return 1
+        return exit_code(code)
+
+    def _watch(self, agent: HostAgent) -> None:
+        if agent.proc.wait() == SSH_FAILED:
+            _say(f"ssh to {agent.name} ended with 255: the connection was lost or ssh "
+                 "failed; its workers are gone from the job")
+
+    def _let_others_end(self) -> None:
+        """Host 0's agent has ended: the others lose their coordinator and end; any that has
+        not within --end-grace is told so by EOF on its stdin."""
+        deadline = time.monotonic() + self.a.end_grace
+        late = [a for a in self.agents[1:] if a.wait(deadline - time.monotonic()) is None]
+        if late:
+            _say(f"{', '.join(a.name for a in late)}: agent still running "
+                 f"{self.a.end_grace:g} s after the coordinator's ended; closing its stdin")
+            end(late)
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m hvd_resilient.launch.inplace.fanout",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--hosts", required=True, help="host:slots,...; the first coordinates")
+    p.add_argument("--ssh-port", type=int, default=22)
+    p.add_argument("--min-np", type=int, default=None, help="for the whole job")
+    p.add_argument("--last-call", type=float, default=None)
+    p.add_argument("--replace", action="store_true")
+    p.add_argument("--standby", type=int, default=0)
+    p.add_argument("--env-names", default="",
+                   help="comma-separated names of the variables every agent gets (values "
+                        "from this process's environment, sent on the agents' stdin)")
+    p.add_argument("--start-timeout", type=float, default=60.0,
+                   help="seconds host 0's agent has to print its address")
+    p.add_argument("--end-grace", type=float, default=30.0,
+                   help="seconds the other agents have to end once host 0's has")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the worker command")
+    a = p.parse_args(argv)
+    if a.cmd[:1] == ["--"]:
+        a.cmd = a.cmd[1:]
+    if not a.cmd:
+        raise ConfigError("no worker command: put it after --, e.g. -- python train.py")
+    if not parse_hosts(a.hosts):
+        raise ConfigError(f"--hosts {a.hosts!r} names no host")
+    return a
+
+
+@exit_on_error
+def main(argv: Sequence[str] | None = None) -> int:
+    return Fanout(parse(sys.argv[1:] if argv is None else argv)).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
