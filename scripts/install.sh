@@ -2,7 +2,8 @@
 # Installs everything hvd_resilient and its tests need, on a fresh Debian 12 machine:
 # Open MPI + sshd + iproute2 (apt), a .venv with torch 2.13.0, Horovod 0.28.1 built from its
 # sdist with our patches (scripts/patch_horovod.py; cached as a wheel outside the work tree),
-# mpi4py, boto3, SeaweedFS and the test tools. Idempotent: a second run takes well under a minute.
+# mpi4py, boto3, SeaweedFS, etcd (apt) with its client etcd3gw, and the test tools. Idempotent:
+# a second run takes well under a minute.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -25,6 +26,7 @@ command -v g++ >/dev/null 2>&1 || need_apt+=(g++)
 command -v make >/dev/null 2>&1 || need_apt+=(make)                # slim images lack it
 command -v shellcheck >/dev/null 2>&1 || need_apt+=(shellcheck)   # tests lint the shell scripts
 command -v ssh-keygen >/dev/null 2>&1 || need_apt+=(openssh-client)
+command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)   # the in-place agreement's store
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ]; then
     log "missing system packages: ${need_apt[*]}; run: sudo apt-get install -y ${need_apt[*]}"; exit 1
@@ -33,6 +35,21 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+fi
+
+# Debian's etcd-server enables a service of its own on 127.0.0.1:2379 (started where the image
+# allows services). Nothing here uses it: the agreement is given its endpoints and the tests
+# start their own clusters on free ports. Stopped and disabled, by init system or by its user.
+if [ "$(id -u)" = 0 ] && command -v etcd >/dev/null 2>&1; then
+  if [ -d /run/systemd/system ]; then
+    systemctl disable --now etcd >/dev/null 2>&1 || true
+  else
+    service etcd stop >/dev/null 2>&1 || true
+    update-rc.d etcd disable >/dev/null 2>&1 || true
+  fi
+  if command -v pgrep >/dev/null 2>&1 && getent passwd etcd >/dev/null 2>&1; then
+    for pid in $(pgrep -u etcd -x etcd || true); do kill "$pid" 2>/dev/null || true; done
+  fi
 fi
 
 # ---- virtual environment -------------------------------------------------------------
@@ -95,11 +112,11 @@ if ! HVD_PATCH_DIR="$ROOT/scripts" patched; then
 fi
 
 # ---- the project and the rest ----------------------------------------------------------
-pip_q -e "${ROOT}[test,horovod]"
+pip_q -e "${ROOT}[test,horovod,etcd]"
 
 # ---- checks ----------------------------------------------------------------------------
 check="$("$VENV/bin/horovodrun" --check-build)"
 echo "$check" | grep -q '\[X\] PyTorch' || { log "Horovod was built without PyTorch:"; echo "$check" >&2; exit 1; }
 echo "$check" | grep -q '\[X\] Gloo' || { log "Horovod was built without Gloo:"; echo "$check" >&2; exit 1; }
-"$VPY" -c 'import mpi4py, boto3, horovod.torch' || { log "imports failed"; exit 1; }
+"$VPY" -c 'import mpi4py, boto3, etcd3gw, horovod.torch' || { log "imports failed"; exit 1; }
 log "ok: $("$VPY" -c 'import torch,horovod; print("torch", torch.__version__, "horovod", horovod.__version__)')"
