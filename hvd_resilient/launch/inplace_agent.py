@@ -42,15 +42,13 @@ from hvd_resilient.cli_errors import exit_on_error
 from hvd_resilient.errors import ConfigError
 from hvd_resilient.launch.inplace.decide import Coordinator, Decision, HostReport
 from hvd_resilient.launch.inplace.embedded import Coordinating, Following, Record
+from hvd_resilient.launch.inplace.fanout import COORDINATOR_LINE
 from hvd_resilient.launch.inplace.host_agent import HostAgent
 
 logger = logging.getLogger("hvd_resilient.launch.inplace_agent")  # not __name__: run as __main__
 POLL_S = 0.01
 START_S = 120.0
 """How long the coordinator waits for every host's first report before generation 0."""
-COORDINATOR_LINE = "hvd-resilient-coordinator"
-"""The line (with ``host:port``) the first host's agent prints once its store listens: the
-launch (`inplace.fanout`) hands that address to the other hosts' agents."""
 
 
 class Agent:

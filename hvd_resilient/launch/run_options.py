@@ -23,7 +23,8 @@ class RunOptions:
     """Where `hvd-resilient run` launches, with what, and how often it relaunches."""
 
     hosts: str | None = None
-    """Horovod, mpi: static hosts host:slots,..., e.g. h1:2,h2:2 (default: this machine)."""
+    """Horovod, mpi, inplace: static hosts host:slots,..., e.g. h1:2,h2:2 (default: this
+    machine)."""
     np: int = 2
     """Processes to start; with --discovery the first world size; torchrun: processes per
     node."""
@@ -53,7 +54,7 @@ class RunOptions:
     """Take the run from a live job at once (a higher lease epoch): its checkpoints are refused
     from then on and it stops itself (default: wait for it, --lease-wait)."""
     ssh_port: int = 22
-    """Horovod, mpi: ssh port of remote --hosts, checked before launch."""
+    """Horovod, mpi, inplace: ssh port of remote --hosts, checked before launch."""
     dry_run: bool = False
     """Print the launcher command and its environment (credentials masked), then exit
     (default: launch)."""

@@ -34,7 +34,7 @@ class RunSettings:
     launcher: str = setting(next(iter(LAUNCHERS)), choices=tuple(LAUNCHERS))
     """What starts the workers, and so the collective backend they train on: horovod (Horovod
     Elastic with --discovery, else static horovodrun), mpi (mpirun), torchrun, or inplace
-    (torch.distributed, survivors keep their processes; one machine)."""
+    (torch.distributed, survivors keep their processes; one agent per host)."""
     run: RunOptions = field(default_factory=RunOptions)
     horovod: HorovodOptions = field(default_factory=HorovodOptions)
     mpi: MpiOptions = field(default_factory=MpiOptions)

@@ -30,6 +30,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--standby", type=int)
     p.add_argument("--host-index", type=int, required=True)
     p.add_argument("--hosts-count", type=int, required=True)
+    p.add_argument("--job-nproc", type=int, required=True)
     p.add_argument("--address", required=True)
     p.add_argument("--coordinator")
     p.add_argument("--control-stdin", action="store_true")

@@ -129,7 +129,7 @@ def test_host0_starts_first_and_the_others_get_its_address_and_the_env_on_stdin(
     for argv, index, host, slots in ((argv0, 0, "127.0.0.1", 2), (argv1, 1, "localhost", 1)):
         assert argv[:8] == ["--nproc", str(slots), "--min-np", "2", "--standby", "1",
                             "--host-index", str(index)]
-        assert argv[8:] == ["--hosts-count", "2", "--address", host, *(
+        assert argv[8:] == ["--hosts-count", "2", "--job-nproc", "3", "--address", host, *(
             ["--coordinator", first["address"]] if index else []), "--control-stdin", "--",
             "true", run.marker]
     for rec in (first, second):

@@ -83,7 +83,8 @@ def agent_args(a: argparse.Namespace, index: int, hosts: list[tuple[str, int]],
             *(["--last-call", f"{a.last_call:g}"] if a.last_call is not None else []),
             *(["--replace"] if a.replace else []),
             *(["--standby", str(a.standby)] if a.standby else []),
-            "--host-index", str(index), "--hosts-count", str(len(hosts)), "--address", host,
+            "--host-index", str(index), "--hosts-count", str(len(hosts)),
+            "--job-nproc", str(sum(n for _, n in hosts)), "--address", host,
             *(["--coordinator", coordinator] if coordinator else []),
             "--control-stdin", "--", *a.cmd]
 
