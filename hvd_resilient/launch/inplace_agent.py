@@ -40,7 +40,7 @@ from hvd_resilient import log
 from hvd_resilient.backends.inplace.membership import door_key, formed_key
 from hvd_resilient.cli_errors import exit_on_error
 from hvd_resilient.errors import ConfigError
-from hvd_resilient.launch.inplace.decide import Coordinator, Decision, HostReport
+from hvd_resilient.launch.inplace.decide import Coordinator, Decision
 from hvd_resilient.launch.inplace.embedded import Coordinating, Following, Record
 from hvd_resilient.launch.inplace.fanout import COORDINATOR_LINE
 from hvd_resilient.launch.inplace.host_agent import HostAgent
@@ -146,43 +146,65 @@ class Agent:
 
     # -- an agent that follows ------------------------------------------------------------
     def _follow(self, coordinator: str) -> int:
+        """The coordinator is heard on a thread of its own: a store call over a link that is
+        down blocks until the link comes back (torch's store timeout bounds the wait for a
+        key, not a reply that never arrives), and this loop must still end the workers of a
+        host cut off for `CUT_OFF_S`."""
         host = self.host
         cluster = Following(coordinator, self.host_index, time.monotonic())
-        host.start()
+        lock = threading.Lock()
+        ended: list[int] = []
+        with lock:
+            host.start()
+        threading.Thread(target=self._hear, args=(cluster, lock, ended), daemon=True,
+                         name="inplace-coordinator").start()
         while True:
+            with lock:
+                host.reap()
+                if ended:
+                    host.finish()
+                    return ended[0]
             now = time.monotonic()
-            host.reap()
-            try:
-                code = self._follow_once(cluster, host.report())
-            except Exception as e:  # the coordinator's store does not answer: the time counts
-                logger.debug("coordinator's store: %s", e)
-                code = None
-            if code is not None:
-                host.finish()
-                return code
             if not cluster.heard(now):
                 logger.error("cut off from the coordinator (%s) for %.1fs: ending this host's "
                              "workers; the others go on without them", coordinator,
                              now - cluster.beat.changed_at)
-                host.end_all()
-                host.finish()
+                with lock:
+                    host.end_all()
+                    host.finish()
                 return 1
             time.sleep(POLL_S)
 
-    def _follow_once(self, cluster: Following, report: HostReport) -> int | None:
+    def _hear(self, cluster: Following, lock: threading.Lock, ended: list[int]) -> None:
+        """Sends this host's report and carries out what the coordinator decided, until the
+        job's end (its code lands in ``ended``)."""
         host = self.host
-        cluster.send(report)
-        record = cluster.newest()
-        if record is not None:
-            host.mirror(record.generation, record.members, record.store)
-        for m, why in cluster.fences(sorted(host.alive)).items():
-            host.fence([m], why)
-        if cluster.finishing():
-            host.end_standbys()
-        code = cluster.ended()
-        if code is not None:
-            host.end_all()
-        return code
+        while True:
+            with lock:
+                report, alive = host.report(), sorted(host.alive)
+            try:
+                cluster.read_beat(time.monotonic())
+                cluster.send(report)
+                record = cluster.newest()
+                fences = cluster.fences(alive)
+                finishing = cluster.finishing()
+                code = cluster.ended()
+            except Exception as e:  # the coordinator's store does not answer: time counts
+                logger.debug("coordinator's store: %s", e)
+                time.sleep(POLL_S)
+                continue
+            with lock:
+                if record is not None:
+                    host.mirror(record.generation, record.members, record.store)
+                for m, why in fences.items():
+                    host.fence([m], why)
+                if finishing:
+                    host.end_standbys()
+                if code is not None:
+                    host.end_all()
+                    ended.append(code)
+                    return
+            time.sleep(POLL_S)
 
 
 def read_control(agent: Agent, stream: TextIO | None = None) -> None:

@@ -1,0 +1,167 @@
+"""In place across hosts: `hvd-resilient run --launcher inplace --hosts` on 3 namespaced hosts x 2
+workers (one agent per host over ssh), the AdamW recipe (tests/scripts/recipe_job.py).
+
+A worker killed, or a whole host's processes killed: the survivors go on in their own
+processes (no worker restarted), in a generation without the lost ones, every remaining rank
+identical in every component, the work redone at most one commit interval, each sample of every
+completed epoch used exactly once. The coordinating host lost: the others are cut off and stop,
+and `hvd-resilient run` relaunches the job, which resumes from its durable checkpoint. The
+timings go to stdout (kill -> the survivors' first commit).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import psutil
+import pytest
+
+from tests.support.exactly_once import assert_exactly_once
+from tests.support.jobs import PYTHON, VENV_BIN, events, wait_for
+from tests.support.netns import Cluster, Host
+from tests.support.paths import SCRIPTS
+
+pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(300)]
+JOB = str(SCRIPTS / "recipe_job.py")
+N_SAMPLES = 1536  # recipe_job's data set
+COMMIT_EVERY = 4
+RECIPE = ["--recipe", "adamw-warmup-cosine", "--recipe-grad-accum", "4",
+          "--recipe-clip-grad-norm", "1.0", "--recipe-precision", "bf16"]
+
+
+class InplaceRun:
+    def __init__(self, chaos, c: Cluster, name: str, *, max_steps: int = 80,
+                 restarts: int = 0) -> None:
+        self.c, self.run = c, chaos.tmp / name
+        hosts = ",".join(f"{h.addr}:2" for h in c.hosts)
+        cmd = [str(VENV_BIN / "hvd-resilient"), "run", "--launcher", "inplace", "--hosts", hosts,
+               "--np", str(2 * len(c.hosts)), "--ssh-port", str(c.port), "--run-id", name,
+               "--run-dir", str(self.run), "--max-restarts", str(restarts),
+               "--checkpoint", f"file://{chaos.tmp}/{name}-ckpt", "--",
+               PYTHON, JOB, *RECIPE, "--samples", "--batch-size", "8", "--commit-every",
+               str(COMMIT_EVERY), "--epochs", "1000", "--max-steps", str(max_steps),
+               "--checkpoint-every", "8", "--no-memory-tier-enabled", "--step-time", "0.05"]
+        self.job = chaos.jobs.start(cmd, env=c.env(chaos.jobs.env()), name=name)
+        self.log = self.run / "events.jsonl"
+
+    def events(self) -> list[dict]:
+        return events(self.log) if self.log.exists() else []
+
+    def of(self, kind: str) -> list[dict]:
+        return [e for e in self.events() if e["event"] == kind]
+
+    def wait_commits(self, n: int) -> None:
+        wait_for(lambda: len(self.of("commit")) >= n, 150, f"{n} commits", self.job)
+
+    def pid_on(self, h: Host) -> int:
+        """A training worker on host ``h`` (one that wrote `start`)."""
+        mine = set(self.c.pids(h))
+        pids = [e["pid"] for e in self.of("start") if e["pid"] in mine]
+        assert pids, f"no worker of this run on {h}"
+        return pids[0]
+
+    def host_of_rank0(self) -> Host:
+        pid = [e["pid"] for e in self.of("start") if e["rank"] == 0][-1]
+        host = self.c.host_of_pid(pid)
+        assert host is not None
+        return host
+
+    def first_commit_after(self, t: float) -> float:
+        later = [e["ts"] for e in self.of("commit") if e["ts"] > t]
+        assert later, "no commit after the fault"
+        return round(min(later) - t, 3)
+
+
+def assert_survivors_went_on(run: InplaceRun, size: int) -> None:
+    evs = run.events()
+    starts = [e for e in evs if e["event"] == "start"]
+    assert len(starts) == 6, f"a worker was (re)started: {len(starts)} starts"
+    resets = [e for e in evs if e["event"] == "reset"]
+    assert resets and {e["new_size"] for e in resets} == {size}, resets
+    done = {e["rank"]: e for e in evs if e["event"] == "done" and "digests" in e}
+    assert sorted(done) == list(range(size)), sorted(done)
+    first = done[0]["digests"]
+    differ = {r: d["digests"] for r, d in done.items() if d["digests"] != first}
+    assert not differ, f"ranks differ from rank 0: {differ}"
+    restores = [e for e in evs if e["event"] == "restore"]
+    assert restores and all(0 <= e["lost_steps"] <= COMMIT_EVERY for e in restores), restores
+    assert assert_exactly_once(run.run, N_SAMPLES) >= 1
+
+
+@pytest.mark.ci_chaos
+def test_a_worker_killed_on_another_host_costs_one_generation(chaos):
+    c = chaos.cluster(3)
+    run = InplaceRun(chaos, c, "inplace-kill-worker")
+    run.wait_commits(3)
+    victim = run.pid_on(c.hosts[2])
+    t = c.kill_pid(victim)
+    assert run.job.wait(240) == 0, run.job.output()[-4000:]
+    assert_survivors_went_on(run, 5)
+    print(json.dumps({"scenario": "kill-worker", "first_commit_s": run.first_commit_after(t)}))
+
+
+@pytest.mark.ci_chaos
+def test_a_whole_host_killed_costs_its_members_and_nothing_else(chaos):
+    """Every process in the namespace dies (the agent, its workers, the ssh session): the
+    coordinator hears its agent's connection close and drops its members at once."""
+    c = chaos.cluster(3)
+    run = InplaceRun(chaos, c, "inplace-kill-host")
+    run.wait_commits(3)
+    host = c.hosts[1]
+    assert host != run.host_of_rank0()
+    t, killed = c.kill_host(host)
+    assert len(killed) >= 3, f"expected the agent, its workers and ssh, killed {killed}"
+    assert run.job.wait(240) == 0, run.job.output()[-4000:]
+    assert_survivors_went_on(run, 4)
+    print(json.dumps({"scenario": "kill-host", "first_commit_s": run.first_commit_after(t)}))
+
+
+def test_the_coordinating_host_lost_the_others_stop_and_the_job_resumes(chaos):
+    """Without etcd the first host's agent decides every generation: when its host dies, the
+    other agents are cut off (no beat for 2 s) and end their workers; `hvd-resilient run`
+    relaunches the job on every host (its sshd stayed up, like a quick reboot), which resumes
+    from the durable checkpoint."""
+    c = chaos.cluster(3)
+    run = InplaceRun(chaos, c, "inplace-kill-coordinator", restarts=2)
+    run.wait_commits(4)
+    assert run.host_of_rank0() == c.hosts[0]
+    t, _ = c.kill_host(c.hosts[0])
+    assert run.job.wait(240) == 0, run.job.output()[-4000:]
+    out = run.job.output()
+    assert "cut off from the coordinator" in out, out[-4000:]
+    resumed = [e for e in run.of("resume") if e["ts"] > t] or [
+        e for e in run.of("start") if e["ts"] > t]
+    assert resumed, "the job did not start again"
+    done = {e["rank"]: e for e in run.of("done") if "digests" in e}
+    assert len({json.dumps(d["digests"], sort_keys=True) for d in done.values()}) == 1, done
+    print(json.dumps({"scenario": "kill-coordinator", "first_commit_s":
+                      run.first_commit_after(t)}))
+
+
+def _alive(pids: list[int]) -> list[int]:
+    return [p for p in pids if psutil.pid_exists(p)
+            and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_host_cut_off_stops_its_workers_and_the_others_go_on(chaos):
+    """Link down: the coordinator stops hearing the host (1 s), the survivors' heartbeats find
+    its members silent, and the next generation goes on without them; the cut-off agent hears
+    no beat for 2 s and ends its own workers, which never write after the fault."""
+    c = chaos.cluster(3)
+    run = InplaceRun(chaos, c, "inplace-partition")
+    run.wait_commits(3)
+    host = c.hosts[2]
+    cut_pids = [e["pid"] for e in run.of("start") if e["pid"] in set(c.pids(host))]
+    t = c.partition(host)
+    wait_for(lambda: not _alive(cut_pids), 10, "the cut-off side's workers ended", run.job)
+    stopped_at = time.time()
+    c.heal(host)
+    assert run.job.wait(240) == 0, run.job.output()[-4000:]
+    old_world = [e for e in run.events() if e["ts"] > t + 0.5 and e.get("size") == 6
+                 and e["event"] in ("commit", "memory_commit", "checkpoint_saved")]
+    assert not old_world, f"the old world wrote after the fault: {old_world}"
+    commits = [e for e in run.of("commit") if e["ts"] > t]
+    assert commits and all(e["size"] == 4 for e in commits), commits[:3]
+    print(json.dumps({"scenario": "partition", "first_commit_s": run.first_commit_after(t),
+                      "cut_off_stopped_s": round(stopped_at - t, 3)}))
