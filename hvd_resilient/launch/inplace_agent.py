@@ -207,7 +207,7 @@ class Agent:
             time.sleep(POLL_S)
 
 
-def read_control(agent: Agent, stream: TextIO | None = None) -> None:
+def read_control(host: HostAgent, stream: TextIO | None = None) -> None:
     """``--control-stdin``: the first line is the environment (JSON), set before any worker
     starts; then ``TERM``/``INT`` lines are signals for the workers; EOF means the launch is
     gone, and the workers are ended with the agent."""
@@ -220,9 +220,9 @@ def read_control(agent: Agent, stream: TextIO | None = None) -> None:
         for line in src:
             word = line.strip()
             if word in ("TERM", "INT"):
-                agent.forward(getattr(signal, f"SIG{word}"))
+                host.forward(getattr(signal, f"SIG{word}"))
         logger.error("the launch is gone (its connection closed): ending this host's workers")
-        agent.host.end_all()
+        host.end_all()
         os._exit(1)
 
     threading.Thread(target=watch, name="inplace-control", daemon=True).start()
@@ -256,6 +256,13 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
                    help="this host's address as the other hosts reach it")
     p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                    help="the coordinating agent's store (every host but the first)")
+    p.add_argument("--etcd", default=None, metavar="URL,URL,...",
+                   help="agree on the generations in etcd (its client URLs): every host's agent "
+                        "alike, none whose loss ends the job (default: the first host's agent "
+                        "coordinates)")
+    p.add_argument("--job", default="job",
+                   help="the keys' folder in etcd: one per launch (the launch across hosts "
+                        "makes it)")
     p.add_argument("--control-stdin", action="store_true",
                    help="read the environment and stop requests from stdin (the launch over "
                         "ssh); EOF ends the workers")
@@ -274,8 +281,11 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     if not 0 <= a.host_index < a.hosts_count:
         raise ConfigError(f"need 0 <= --host-index < --hosts-count, got {a.host_index} of "
                           f"{a.hosts_count}")
-    if (a.coordinator is None) != (a.host_index == 0):
+    if a.etcd is None and (a.coordinator is None) != (a.host_index == 0):
         raise ConfigError("--coordinator is given to every host's agent but the first's")
+    if a.etcd is not None and a.coordinator is not None:
+        raise ConfigError("--coordinator and --etcd exclude each other: with etcd no agent "
+                          "coordinates")
     return a
 
 
@@ -283,13 +293,31 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse(sys.argv[1:] if argv is None else argv)
     log.setup(rank_fn=lambda: 0)  # the agent speaks as rank 0 does
+    if a.etcd is not None:
+        return _run_agreed(a)
     agent = Agent(a.cmd, a.nproc, a.min_np, a.last_call, a.address, a.replace, a.standby,
                   host_index=a.host_index, hosts=a.hosts_count, coordinator=a.coordinator,
                   job_nproc=a.job_nproc, announce=a.control_stdin or a.hosts_count > 1)
     if a.control_stdin:
-        read_control(agent)
+        read_control(agent.host)
     return agent.run()
 
+
+def _run_agreed(a: argparse.Namespace) -> int:
+    """Every host's agent alike, the generations agreed in etcd (`inplace.agreed`)."""
+    from hvd_resilient.launch.inplace.agreed import EtcdAgent
+    from hvd_resilient.launch.inplace.etcd_agreement import EtcdAgreement
+
+    host = HostAgent(a.cmd, a.nproc, host_index=a.host_index, address=a.address,
+                     replace=a.replace, standby=a.standby)
+    if a.control_stdin:
+        read_control(host)
+    if a.host_index == 0 and a.control_stdin:  # the launch waits for host 0's line
+        print(f"{COORDINATOR_LINE} {host.address}", flush=True)
+    agreement = EtcdAgreement([u.strip() for u in a.etcd.split(",") if u.strip()], a.job,
+                              a.host_index)
+    return EtcdAgent(host, Coordinator(a.job_nproc or a.nproc, a.min_np, a.last_call),
+                     agreement, a.host_index, a.hosts_count).run()
 
 if __name__ == "__main__":
     sys.exit(main())

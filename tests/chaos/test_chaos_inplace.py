@@ -17,6 +17,7 @@ import time
 import psutil
 import pytest
 
+from tests.support.etcd_cluster import EtcdCluster
 from tests.support.exactly_once import assert_exactly_once
 from tests.support.jobs import PYTHON, VENV_BIN, events, wait_for
 from tests.support.netns import Cluster, Host
@@ -32,13 +33,14 @@ RECIPE = ["--recipe", "adamw-warmup-cosine", "--recipe-grad-accum", "4",
 
 class InplaceRun:
     def __init__(self, chaos, c: Cluster, name: str, *, max_steps: int = 80,
-                 restarts: int = 0) -> None:
+                 restarts: int = 0, etcd: EtcdCluster | None = None) -> None:
         self.c, self.run = c, chaos.tmp / name
         hosts = ",".join(f"{h.addr}:2" for h in c.hosts)
         cmd = [str(VENV_BIN / "hvd-resilient"), "run", "--launcher", "inplace", "--hosts", hosts,
                "--np", str(2 * len(c.hosts)), "--ssh-port", str(c.port), "--run-id", name,
                "--run-dir", str(self.run), "--max-restarts", str(restarts),
-               "--checkpoint", f"file://{chaos.tmp}/{name}-ckpt", "--",
+               "--checkpoint", f"file://{chaos.tmp}/{name}-ckpt",
+               *(["--etcd", ",".join(etcd.endpoints)] if etcd else []), "--",
                PYTHON, JOB, *RECIPE, "--samples", "--batch-size", "8", "--commit-every",
                str(COMMIT_EVERY), "--epochs", "1000", "--max-steps", str(max_steps),
                "--checkpoint-every", "8", "--no-memory-tier-enabled", "--step-time", "0.05"]
@@ -137,6 +139,71 @@ def test_the_coordinating_host_lost_the_others_stop_and_the_job_resumes(chaos):
     assert len({json.dumps(d["digests"], sort_keys=True) for d in done.values()}) == 1, done
     print(json.dumps({"scenario": "kill-coordinator", "first_commit_s":
                       run.first_commit_after(t)}))
+
+
+@pytest.fixture
+def etcd_on_hosts(chaos):
+    """A 3-member etcd cluster, one member in each of the 3 hosts' namespaces (as a job would
+    run it on its own hosts): a host's processes killed take its member with them."""
+    made: list[EtcdCluster] = []
+
+    def start(c: Cluster) -> EtcdCluster:
+        e = EtcdCluster(3, addresses=[h.addr for h in c.hosts], netns=[h.ns for h in c.hosts])
+        made.append(e)
+        return e.start()
+
+    yield start
+    for e in made:
+        e.close()
+
+
+@pytest.mark.ci_chaos
+def test_with_etcd_the_host_holding_rank0_and_the_store_is_lost_and_the_others_go_on(
+        chaos, etcd_on_hosts):
+    """Host 0 holds rank 0, most likely the leading agent and so generation 0's store, and an
+    etcd member: all killed. The other agents see the leader's connection close, revoke its
+    lease, one of them leads and publishes the next generation on its own store; the
+    survivors go on in their processes (no relaunch)."""
+    c = chaos.cluster(3)
+    etcd = etcd_on_hosts(c)
+    run = InplaceRun(chaos, c, "inplace-etcd-kill-host0", etcd=etcd)
+    run.wait_commits(3)
+    assert run.host_of_rank0() == c.hosts[0]
+    t, _ = c.kill_host(c.hosts[0])
+    assert run.job.wait(240) == 0, run.job.output()[-4000:]
+    assert_survivors_went_on(run, 4)
+    print(json.dumps({"scenario": "etcd-kill-host0", "first_commit_s":
+                      run.first_commit_after(t)}))
+
+
+def test_with_etcd_one_member_killed_changes_nothing(chaos, etcd_on_hosts):
+    c = chaos.cluster(3)
+    etcd = etcd_on_hosts(c)
+    run = InplaceRun(chaos, c, "inplace-etcd-member", etcd=etcd)
+    run.wait_commits(3)
+    t = time.time()
+    etcd.kill(etcd.raft_leader())
+    assert run.job.wait(240) == 0, run.job.output()[-4000:]
+    assert not [e for e in run.of("reset") if e["ts"] > t], "a generation changed"
+    assert len(run.of("start")) == 6
+
+
+def test_with_etcd_gone_the_job_trains_on_until_a_member_must_change(chaos, etcd_on_hosts):
+    """etcd lost entirely: every worker trains on; a worker killed then needs a generation
+    nobody can agree on, so each agent ends its workers with one line (restartable)."""
+    c = chaos.cluster(3)
+    etcd = etcd_on_hosts(c)
+    run = InplaceRun(chaos, c, "inplace-etcd-gone", etcd=etcd, max_steps=100000)
+    run.wait_commits(3)
+    for i in range(3):
+        etcd.kill(i)
+    before = len(run.of("commit"))
+    wait_for(lambda: len(run.of("commit")) >= before + 3, 60, "commits without etcd", run.job)
+    c.kill_pid(run.pid_on(c.hosts[2]))
+    code = run.job.wait(120)
+    out = run.job.output()
+    assert code != 0, out[-3000:]
+    assert "etcd is unreachable" in out, out[-3000:]
 
 
 def _alive(pids: list[int]) -> list[int]:

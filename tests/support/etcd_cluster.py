@@ -60,12 +60,21 @@ class EtcdCluster:
     folders (also at interpreter exit, and the kernel kills the members if this process dies:
     call it from a thread that outlives the cluster, the main thread)."""
 
-    def __init__(self, size: int = 3, *, base: str | None = None) -> None:
+    def __init__(self, size: int = 3, *, base: str | None = None,
+                 addresses: list[str] | None = None, netns: list[str] | None = None) -> None:
+        """``addresses``/``netns``: member i listens on addresses[i] inside network namespace
+        netns[i] (the multi-host tier's hosts, where each namespace has its own ports);
+        default: loopback, free ports."""
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self.root = Path(tempfile.mkdtemp(prefix="etcd-test-", dir=base or shm))
         self.binary = etcd_binary()
-        got = ports(2 * size)
-        self.peer_ports, self.client_ports = got[:size], got[size:]
+        self.addresses = addresses or ["127.0.0.1"] * size
+        self.netns = netns
+        if addresses:
+            self.peer_ports, self.client_ports = [2480] * size, [2479] * size
+        else:
+            got = ports(2 * size)
+            self.peer_ports, self.client_ports = got[:size], got[size:]
         self.names = [f"m{i}" for i in range(size)]
         self.token = f"hvd-test-{uuid.uuid4().hex[:8]}"
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * size
@@ -74,13 +83,15 @@ class EtcdCluster:
     @property
     def endpoints(self) -> list[str]:
         """Every member's client URL, member 0 first."""
-        return [f"http://127.0.0.1:{p}" for p in self.client_ports]
+        return [f"http://{a}:{p}" for a, p in zip(self.addresses, self.client_ports,
+                                                  strict=True)]
 
     def _args(self, i: int) -> list[str]:
-        peers = ",".join(f"{n}=http://127.0.0.1:{p}"
-                         for n, p in zip(self.names, self.peer_ports, strict=True))
-        peer, client = f"http://127.0.0.1:{self.peer_ports[i]}", self.endpoints[i]
-        return [
+        peers = ",".join(f"{n}=http://{a}:{p}" for n, a, p in
+                         zip(self.names, self.addresses, self.peer_ports, strict=True))
+        peer, client = f"http://{self.addresses[i]}:{self.peer_ports[i]}", self.endpoints[i]
+        inside = ["ip", "netns", "exec", self.netns[i]] if self.netns else []
+        return [*inside,
             self.binary, "--name", self.names[i], "--data-dir", str(self.root / self.names[i]),
             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
             "--listen-client-urls", client, "--advertise-client-urls", client,

@@ -9,8 +9,7 @@ saw the end), ``beat`` (the coordinator's own sequence number).
 
 Liveness is judged by numbers that stop moving, never by comparing two hosts' clocks: a host
 whose report has not changed for `HOST_LOST_S` is not heard from (its members are lost). Each
-other host's agent also holds one TCP connection to the coordinator (`liveness`): an agent
-that dies with its host's processes closes it, and the kernel says so at once, so a host whose
+other host's agent also holds one TCP connection to the coordinator (`liveness`): a host whose
 processes were killed is lost in milliseconds, not after `HOST_LOST_S`, which is left to a
 host that went silent (power lost, link down, frozen). A
 host that has not seen the coordinator's beat change for `CUT_OFF_S` is cut off and stops its
@@ -28,8 +27,6 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import select
-import socket
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -37,6 +34,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from hvd_resilient.launch.inplace.decide import HostReport
+from hvd_resilient.launch.inplace.liveness import Link, Listener
 
 logger = logging.getLogger(__name__)
 CLUSTER = "hvd_resilient/cluster/"
@@ -77,35 +75,14 @@ class Coordinating:
         self.host_index = host_index
         self.seq = 0
         self.clocks: dict[int, _Clock] = {}
-        self.listener = socket.create_server((address, 0))
-        self.listener.setblocking(False)
-        self.store.set("liveness", f"{address}:{self.listener.getsockname()[1]}")
-        self.links: dict[socket.socket, int | None] = {}
+        self.listener = Listener(address)
+        self.store.set("liveness", self.listener.address)
         self.gone: set[int] = set()
         """Hosts whose agent's connection closed: lost for good."""
 
     def _watch_links(self) -> None:
-        """Accepts the other agents' connections and notes the ones that closed."""
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except BlockingIOError:
-                break
-            self.links[conn] = None
-        if not self.links:
-            return
-        readable, _, _ = select.select(list(self.links), [], [], 0)
-        for conn in readable:
-            try:
-                data = conn.recv(64)
-            except OSError:
-                data = b""
-            if data:
-                self.links[conn] = int(data.split(b"\n")[0])
-                continue
-            h = self.links.pop(conn)
-            conn.close()
-            if h is not None and h not in self.gone:
+        for h in self.listener.closed():
+            if h not in self.gone:
                 self.gone.add(h)
                 logger.warning("host %d's agent is gone (its connection closed): its members "
                                "are lost", h)
@@ -169,13 +146,9 @@ class Following:
         self.generation = -1
         self.link = self._connect_liveness()
 
-    def _connect_liveness(self) -> socket.socket:
-        """The connection whose closing tells the coordinator this agent is gone; held for
-        the agent's life, never read."""
-        host, _, port = self.store.get("liveness").decode().rpartition(":")
-        link = socket.create_connection((host, int(port)), timeout=STORE_TIMEOUT_S)
-        link.sendall(f"{self.host_index}\n".encode())
-        return link
+    def _connect_liveness(self) -> Link:
+        """The connection whose closing tells the coordinator this agent is gone."""
+        return Link(self.store.get("liveness").decode(), self.host_index, STORE_TIMEOUT_S)
 
     def send(self, report: HostReport) -> None:
         self.seq += 1

@@ -221,6 +221,29 @@ class EtcdAgreement:
         records = self._call(lambda c: c.get(self._key(f"gen/{g}")))
         return g, records[0].decode()
 
+    @property
+    def lease_id(self) -> int | None:
+        """This host's lease, for a peer that sees this agent die to revoke (`revoke`)."""
+        return self._lease.id if self._lease is not None else None
+
+    def revoke(self, lease_id: int) -> None:
+        """Revokes another host's lease: its agent was seen to die (its connection closed), so
+        its keys (its report, `leader`) go now instead of a TTL later. A lease already gone is
+        no error."""
+        try:
+            self._call(lambda c: Lease(lease_id, c).revoke())
+        except Etcd3Exception as e:
+            if not _lease_gone(e):
+                raise
+
+    def put(self, name: str, value: str) -> None:
+        """A key of the job's, on no lease (the leader's decisions outlive the leader)."""
+        self._call(lambda c: c.put(self._key(name), value.encode()))
+
+    def get(self, name: str) -> str | None:
+        values = self._call(lambda c: c.get(self._key(name)))
+        return values[0].decode() if values else None
+
     def close(self) -> None:
         """Revokes the lease: this host's report (and `leader`, if it led) vanish at once,
         not a TTL later, so the others move on without waiting."""

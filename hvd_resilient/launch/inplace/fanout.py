@@ -43,6 +43,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from types import FrameType
 from typing import IO
@@ -85,7 +86,8 @@ def agent_args(a: argparse.Namespace, index: int, hosts: list[tuple[str, int]],
             *(["--standby", str(a.standby)] if a.standby else []),
             "--host-index", str(index), "--hosts-count", str(len(hosts)),
             "--job-nproc", str(sum(n for _, n in hosts)), "--address", host,
-            *(["--coordinator", coordinator] if coordinator else []),
+            *(["--etcd", a.etcd, "--job", a.job] if a.etcd else
+              ["--coordinator", coordinator] if coordinator else []),
             "--control-stdin", "--", *a.cmd]
 
 
@@ -297,7 +299,10 @@ class Fanout:
 
     def _wait(self, host0: HostAgent, out: Passthrough) -> int:
         """Host 0's exit code, once every agent has ended; the others' own exits say nothing
-        of the job (host 0 decides it), beyond an ssh that failed."""
+        of the job (host 0 decides it), beyond an ssh that failed. With etcd no host decides
+        alone: `_wait_agreed`."""
+        if self.a.etcd:
+            return self._wait_agreed(out)
         watchers = [threading.Thread(target=self._watch, args=(a,), daemon=True)
                     for a in self.agents[1:] if not a.local]
         for w in watchers:
@@ -311,6 +316,24 @@ class Fanout:
                  "connection was lost or ssh failed, and its agent's exit code is not known")
             return 1
         return exit_code(code)
+
+    def _wait_agreed(self, out: Passthrough) -> int:
+        """With etcd any host may be lost and the job go on: every agent is waited for, and
+        the job's code is the one the survivors ended with (they all end with the leader's
+        decision); 0 when any agent says the job finished."""
+        codes = []
+        for agent in self.agents:
+            code = agent.proc.wait()
+            if not agent.local and code == SSH_FAILED:
+                _say(f"ssh to {agent.name} ended with 255: the connection was lost or ssh "
+                     "failed; its workers are gone from the job")
+                continue
+            codes.append(exit_code(code))
+        out.thread.join(timeout=PASS_JOIN_S)
+        end(self.agents)
+        if 0 in codes:
+            return 0
+        return next((c for c in codes if c < 128), codes[0] if codes else 1)
 
     def _watch(self, agent: HostAgent) -> None:
         if agent.proc.wait() == SSH_FAILED:
@@ -337,6 +360,10 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--last-call", type=float, default=None)
     p.add_argument("--replace", action="store_true")
     p.add_argument("--standby", type=int, default=0)
+    p.add_argument("--etcd", default=None, metavar="URL,URL,...",
+                   help="agree on the generations in etcd (client URLs): no host coordinates")
+    p.add_argument("--job", default=None,
+                   help="the launch's keys' folder in etcd (default: a fresh one per launch)")
     p.add_argument("--env-names", default="",
                    help="comma-separated names of the variables every agent gets (values "
                         "from this process's environment, sent on the agents' stdin)")
@@ -350,6 +377,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         a.cmd = a.cmd[1:]
     if not a.cmd:
         raise ConfigError("no worker command: put it after --, e.g. -- python train.py")
+    if a.job is None:
+        a.job = uuid.uuid4().hex[:12]  # a relaunch starts from generation 0 again
     if not parse_hosts(a.hosts):
         raise ConfigError(f"--hosts {a.hosts!r} names no host")
     return a

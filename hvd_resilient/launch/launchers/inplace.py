@@ -25,6 +25,7 @@ from typing import ClassVar
 from hvd_resilient.errors import ConfigError
 from hvd_resilient.launch.hosts import check_hosts_reachable, hosts_arg, parse_hosts
 from hvd_resilient.launch.run_options import RunOptions
+from hvd_resilient.settings import setting
 
 
 @dataclass(kw_only=True)
@@ -37,6 +38,10 @@ class InplaceOptions:
     standby: int = 0
     """Inplace: K more workers started at launch that set up and wait; a lost worker's place
     goes to one of them in the generation that answers the fault, without an import."""
+    etcd: str = setting("", metavar="URL,...")
+    """Inplace with --hosts: agree on the generations in etcd (its client URLs, e.g.
+    http://h1:2379,http://h2:2379,http://h3:2379): no host whose loss ends the job (default:
+    the first host's agent coordinates, and its loss relaunches the job)."""
 
 
 def inplace_command(nproc: int, min_np: int, train_cmd: list[str], *,
@@ -51,7 +56,7 @@ def inplace_command(nproc: int, min_np: int, train_cmd: list[str], *,
 
 def fanout_command(hosts: list[tuple[str, int]], ssh_port: int, min_np: int | None,
                    env_names: list[str], train_cmd: list[str], *, replace: bool = False,
-                   standby: int = 0) -> list[str]:
+                   standby: int = 0, etcd: str = "") -> list[str]:
     """One agent per host (`launch/inplace/fanout.py`), each with its host's slots; ``min_np``
     for the whole job (None: the agent's default). ``env_names`` are names only: their values
     reach the agents on their stdin, never on a command line."""
@@ -60,6 +65,7 @@ def fanout_command(hosts: list[tuple[str, int]], ssh_port: int, min_np: int | No
             *(["--min-np", str(min_np)] if min_np is not None else []),
             *(["--replace"] if replace else []),
             *(["--standby", str(standby)] if standby else []),
+            *(["--etcd", etcd] if etcd else []),
             "--env-names", ",".join(sorted(env_names)), "--", *train_cmd]
 
 
@@ -83,6 +89,12 @@ class Inplace:
             if opts.np > slots:
                 raise ConfigError(f"run: --np {opts.np} is more than the {slots} slots in "
                                   f"--hosts {opts.hosts}")
+        if self.own.etcd and not opts.hosts:
+            raise ConfigError("run: --etcd applies with --hosts (one machine needs no service)")
+        for url in filter(None, self.own.etcd.split(",")):
+            if not url.strip().startswith(("http://", "https://")) or url.count(":") < 2:
+                raise ConfigError(f"run: --etcd entry {url!r} must look like "
+                                  f"http://host:2379")
 
     def probe(self, opts: RunOptions) -> None:
         """With --hosts, the remote ones reachable over ssh; without, nothing to reach."""
@@ -95,7 +107,7 @@ class Inplace:
         if opts.hosts:
             return fanout_command(parse_hosts(opts.hosts), opts.ssh_port, opts.min_np,
                                   env_names, opts.command, replace=self.own.replace,
-                                  standby=self.own.standby)
+                                  standby=self.own.standby, etcd=self.own.etcd)
         return inplace_command(opts.np, opts.min_np or 1, opts.command,
                                replace=self.own.replace, standby=self.own.standby)
 
