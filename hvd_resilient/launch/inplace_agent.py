@@ -172,7 +172,11 @@ class Agent:
                 with lock:
                     host.end_all()
                     host.finish()
-                return 1
+                # not a return: the hearing thread may be inside a store call that never
+                # ends, and the interpreter's exit would abort on it (std::terminate)
+                logging.shutdown()
+                sys.stdout.flush()
+                os._exit(1)
             time.sleep(POLL_S)
 
     def _hear(self, cluster: Following, lock: threading.Lock, ended: list[int]) -> None:
@@ -191,6 +195,8 @@ class Agent:
                 code = cluster.ended()
             except Exception as e:  # the coordinator's store does not answer: time counts
                 logger.debug("coordinator's store: %s", e)
+                if "Broken pipe" in str(e) or "Connection reset" in str(e):
+                    return  # torch's store client never reconnects: the cut-off is counted
                 time.sleep(POLL_S)
                 continue
             with lock:
@@ -305,8 +311,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run_agreed(a: argparse.Namespace) -> int:
     """Every host's agent alike, the generations agreed in etcd (`inplace.agreed`)."""
-    from hvd_resilient.launch.inplace.agreed import EtcdAgent
-    from hvd_resilient.launch.inplace.etcd_agreement import EtcdAgreement
+    try:
+        from hvd_resilient.launch.inplace.agreed import EtcdAgent
+        from hvd_resilient.launch.inplace.etcd_agreement import EtcdAgreement
+    except ImportError as e:
+        raise ConfigError(f"--etcd needs etcd's client ({e.name}): pip install "
+                          f"'hvd_resilient[etcd]'") from None
 
     host = HostAgent(a.cmd, a.nproc, host_index=a.host_index, address=a.address,
                      replace=a.replace, standby=a.standby)

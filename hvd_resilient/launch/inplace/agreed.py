@@ -31,7 +31,11 @@ from dataclasses import dataclass
 from hvd_resilient.backends.inplace.membership import door_key, formed_key
 from hvd_resilient.errors import RESTARTABLE_EXIT_CODE, ConfigError
 from hvd_resilient.launch.inplace.decide import Coordinator, Decision, HostReport
-from hvd_resilient.launch.inplace.etcd_agreement import AgreementUnavailable, EtcdAgreement
+from hvd_resilient.launch.inplace.etcd_agreement import (
+    AgreementUnavailable,
+    EtcdAgreement,
+    LeaseLost,
+)
 from hvd_resilient.launch.inplace.host_agent import HostAgent
 from hvd_resilient.launch.inplace.liveness import Link, Listener
 
@@ -112,6 +116,9 @@ class EtcdAgent:
             return self._end(RESTARTABLE_EXIT_CODE)
         try:
             return self._look(report)
+        except LeaseLost:
+            self.lease_lost = True
+            return None  # said and ended at the next look
         except AgreementUnavailable as e:
             if report.asked or set(host.members) - set(host.alive):
                 logger.error("etcd is unreachable (%s) and the job's members changed: no "
