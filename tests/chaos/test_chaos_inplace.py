@@ -33,14 +33,15 @@ RECIPE = ["--recipe", "adamw-warmup-cosine", "--recipe-grad-accum", "4",
 
 class InplaceRun:
     def __init__(self, chaos, c: Cluster, name: str, *, max_steps: int = 80,
-                 restarts: int = 0, etcd: EtcdCluster | None = None) -> None:
+                 restarts: int = 0, etcd: EtcdCluster | None = None,
+                 extra: tuple[str, ...] = ()) -> None:
         self.c, self.run = c, chaos.tmp / name
         hosts = ",".join(f"{h.addr}:2" for h in c.hosts)
         cmd = [str(VENV_BIN / "hvd-resilient"), "run", "--launcher", "inplace", "--hosts", hosts,
                "--np", str(2 * len(c.hosts)), "--ssh-port", str(c.port), "--run-id", name,
                "--run-dir", str(self.run), "--max-restarts", str(restarts),
                "--checkpoint", f"file://{chaos.tmp}/{name}-ckpt",
-               *(["--etcd", ",".join(etcd.endpoints)] if etcd else []), "--",
+               *(["--etcd", ",".join(etcd.endpoints)] if etcd else []), *extra, "--",
                PYTHON, JOB, *RECIPE, "--samples", "--batch-size", "8", "--commit-every",
                str(COMMIT_EVERY), "--epochs", "1000", "--max-steps", str(max_steps),
                "--checkpoint-every", "8", "--no-memory-tier-enabled", "--step-time", "0.05"]
@@ -112,8 +113,10 @@ def test_a_whole_host_killed_costs_its_members_and_nothing_else(chaos):
     run.wait_commits(3)
     host = c.hosts[1]
     assert host != run.host_of_rank0()
+    workers = [e["pid"] for e in run.of("start") if e["pid"] in set(c.pids(host))]
     t, killed = c.kill_host(host)
-    assert len(killed) >= 3, f"expected the agent, its workers and ssh, killed {killed}"
+    assert killed and len(workers) == 2, (killed, workers)  # a worker may die with its agent
+    assert not _alive(workers)
     assert run.job.wait(240) == 0, run.job.output()[-4000:]
     assert_survivors_went_on(run, 4)
     print(json.dumps({"scenario": "kill-host", "first_commit_s": run.first_commit_after(t)}))
@@ -139,6 +142,25 @@ def test_the_coordinating_host_lost_the_others_stop_and_the_job_resumes(chaos):
     assert len({json.dumps(d["digests"], sort_keys=True) for d in done.values()}) == 1, done
     print(json.dumps({"scenario": "kill-coordinator", "first_commit_s":
                       run.first_commit_after(t)}))
+
+
+def test_a_replacement_on_the_lost_workers_host_joins_at_a_commit(chaos):
+    """--replace across hosts: host 2's agent starts a new worker for the one killed there;
+    it imports while the others train at 5, and joins them at a commit (a generation of its
+    own, decided by the coordinator on host 0); every rank equal at the end."""
+    c = chaos.cluster(3)
+    run = InplaceRun(chaos, c, "inplace-replace", max_steps=160, extra=("--replace",))
+    run.wait_commits(3)
+    c.kill_pid(run.pid_on(c.hosts[2]))
+    assert run.job.wait(240) == 0, run.job.output()[-4000:]
+    evs = run.events()
+    sizes = [e["new_size"] for e in evs if e["event"] == "reset"]
+    assert 5 in sizes and sizes[-1] == 6, sizes
+    joined = [e for e in evs if e["event"] == "joined"]
+    assert joined and all(e["member"] // 1_000_000 == 2 for e in joined), joined
+    done = {e["rank"]: e for e in evs if e["event"] == "done" and "digests" in e}
+    assert sorted(done) == list(range(6)), sorted(done)
+    assert len({json.dumps(d["digests"], sort_keys=True) for d in done.values()}) == 1, done
 
 
 @pytest.fixture
