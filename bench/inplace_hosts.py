@@ -73,15 +73,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from inplace_recovery import p90, steps  # noqa: E402  (bench/inplace_recovery.py)
+from partition import teardown  # noqa: E402  (bench/partition.py)
 
 from tests.chaos.conftest import Chaos  # noqa: E402
 from tests.chaos.test_chaos_inplace import COMMIT_EVERY, InplaceRun  # noqa: E402
 from tests.support.etcd_cluster import EtcdCluster  # noqa: E402
-from tests.support.jobs import marked_processes  # noqa: E402
 from tests.support.netns import (  # noqa: E402
-    NETNS_DIR,
-    PREFIX,
-    REGISTRY,
     SSHD,
     Cluster,
     Unavailable,
@@ -300,25 +297,6 @@ def _fault_and_measure(chaos: Chaos, scenario: str, name: str, a: argparse.Names
     out["digests_equal"] = (out["rc"] == 0 and sorted(done) == list(range(size or 0))
                             and len({json.dumps(d, sort_keys=True) for d in done.values()}) == 1)
     return out
-
-
-def teardown(chaos: Chaos) -> str:
-    """Stops the job and removes the hosts (Chaos.close), then checks that no namespace, no
-    process of the job and no registry entry of the run is left: "clean", or what is."""
-    ids = [c.run_id for c in chaos.clusters]
-    markers = [j.marker for j in chaos.jobs.jobs]
-    problems = []
-    try:
-        chaos.close()
-    except Exception as e:  # recorded, and the next run goes on: the sweep retries it
-        problems.append(f"close: {e}")
-    for run_id in ids:
-        problems += [f"namespace {p.name}" for p in NETNS_DIR.glob(f"{PREFIX}-{run_id}-*")]
-        if (REGISTRY / f"{run_id}.json").exists():
-            problems.append(f"registry entry {run_id}")
-    for marker in markers:
-        problems += [f"process {p.pid}" for p in marked_processes(marker)]
-    return "; ".join(problems) or "clean"
 
 
 def _stats(xs: list[float]) -> dict[str, float]:

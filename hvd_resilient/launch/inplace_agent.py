@@ -1,11 +1,13 @@
 """The in-place agent: one per host; starts that host's workers and hosts the store they talk
 to (`launch/inplace/host_agent.py`); the first host's agent also decides every generation
-(`launch/inplace/decide.py`), the others report to it (`launch/inplace/embedded.py`).
+(`launch/inplace/decide.py`), the others report to it (`launch/inplace/embedded.py`); with
+``--etcd`` every agent is alike and the generations are agreed in etcd
+(`launch/inplace/agreed.py`).
 
     python -m hvd_resilient.launch.inplace_agent --nproc 4 [--min-np 2] -- python train.py ...
 
 Across hosts `python -m hvd_resilient.launch.inplace.fanout --hosts h1:2,h2:2 -- ...` starts
-one agent per host over ssh (`--host-index`, `--coordinator`, `--control-stdin`).
+one agent per host over ssh (`--host-index`, `--coordinator` or `--etcd`, `--control-stdin`).
 
 It is never a training rank, so the store outlives any worker. A worker that dies (or that its
 peers found silent, which the agent ends) is dropped from the next generation; the survivors
@@ -30,10 +32,11 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TextIO
 
 from hvd_resilient import log
@@ -252,14 +255,17 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--standby", type=int, default=0, metavar="K",
                    help="start K more workers (per host) that set up and wait; a lost worker's "
                         "place goes to one of them at once (default 0)")
-    p.add_argument("--host-index", type=int, default=0,
-                   help="this host's place among the job's hosts (0 coordinates)")
-    p.add_argument("--hosts-count", type=int, default=1,
-                   help="how many hosts the job starts on (the coordinator waits for each)")
+    p.add_argument("--host-index", type=int, default=None,
+                   help="this host's place among the job's hosts (0 coordinates; default: "
+                        "$SLURM_NODEID under srun, else 0)")
+    p.add_argument("--hosts-count", type=int, default=None,
+                   help="how many hosts the job starts on (the coordinator waits for each; "
+                        "default: $SLURM_NNODES under srun, else 1)")
     p.add_argument("--job-nproc", type=int, default=None,
-                   help="the whole job's first size (default --nproc: one host)")
-    p.add_argument("--address", default="127.0.0.1",
-                   help="this host's address as the other hosts reach it")
+                   help="the whole job's first size (default: --nproc on every host)")
+    p.add_argument("--address", default=None,
+                   help="this host's address as the other hosts reach it (default: this "
+                        "machine's hostname across hosts, 127.0.0.1 on one)")
     p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                    help="the coordinating agent's store (every host but the first)")
     p.add_argument("--etcd", default=None, metavar="URL,URL,...",
@@ -280,7 +286,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         raise ConfigError("no worker command: put it after --, e.g. -- python train.py")
     if a.standby < 0:
         raise ConfigError(f"need --standby >= 0, got {a.standby}")
-    job = a.job_nproc or a.nproc
+    _place_under_srun(a, os.environ)
+    job = a.job_nproc = a.job_nproc or a.nproc * a.hosts_count
     if a.nproc < 1 or not 1 <= a.min_np <= job:
         raise ConfigError(f"need --nproc >= 1 and 1 <= --min-np <= the job's size, got "
                           f"--nproc {a.nproc} --min-np {a.min_np}")
@@ -293,6 +300,21 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         raise ConfigError("--coordinator and --etcd exclude each other: with etcd no agent "
                           "coordinates")
     return a
+
+
+def _place_under_srun(a: argparse.Namespace, env: Mapping[str, str]) -> None:
+    """Under `srun --ntasks-per-node 1` (one agent per node) each agent finds its place in
+    Slurm's variables, so that one command line serves every node (with --etcd: no agent
+    needs another's address)."""
+    try:
+        if a.host_index is None:
+            a.host_index = int(env.get("SLURM_NODEID", 0))
+        if a.hosts_count is None:
+            a.hosts_count = int(env.get("SLURM_NNODES", 1))
+    except ValueError as e:
+        raise ConfigError(f"SLURM_NODEID / SLURM_NNODES must be numbers: {e}") from None
+    if a.address is None:
+        a.address = socket.gethostname() if a.hosts_count > 1 else "127.0.0.1"
 
 
 @exit_on_error

@@ -260,3 +260,20 @@ def test_a_member_that_dies_after_the_door_costs_the_others_no_timeout(tmp_path)
         proc.wait()
     assert out.split() == ["1", "1", "300"], out
     assert store.check([membership.formed_key(1, 0)])
+
+
+def test_under_srun_each_agent_finds_its_place(monkeypatch):
+    """One command line for every node (`srun --ntasks-per-node 1`): the place from Slurm's
+    variables, the address from the node's name, the job's size from every node's --nproc."""
+    import socket
+
+    monkeypatch.setenv("SLURM_NODEID", "2")
+    monkeypatch.setenv("SLURM_NNODES", "3")
+    a = inplace_agent.parse(["--nproc", "2", "--etcd", "http://e1:2379", "--", "x"])
+    assert (a.host_index, a.hosts_count, a.job_nproc) == (2, 3, 6)
+    assert a.address == socket.gethostname()
+    with pytest.raises(ConfigError, match="--coordinator is given to every host's agent"):
+        inplace_agent.parse(["--nproc", "2", "--", "x"])  # no etcd: node 2 needs node 0's
+    monkeypatch.setenv("SLURM_NODEID", "zero")
+    with pytest.raises(ConfigError, match="SLURM_NODEID / SLURM_NNODES must be numbers"):
+        inplace_agent.parse(["--nproc", "2", "--etcd", "http://e1:2379", "--", "x"])

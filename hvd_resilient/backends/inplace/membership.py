@@ -53,6 +53,12 @@ AGENT_ENV = INPLACE_AGENT_ENV
 MEMBER_ENV = INPLACE_MEMBER_ENV
 """The worker's member id; set by the agent for every worker it starts."""
 POLL_S = 0.005
+FORM_TIMEOUT_S = 30.0
+"""How long a generation's group may take to form once every member is at its door (then
+the collectives' own timeout is set). A member that dies in between leaves the others in the
+formation: their waits for its keys end as soon as the agent publishes the next generation
+(`FormationStore`); only a dead peer's address that no longer answers is left to this
+timeout, instead of the process-group timeout (300 s)."""
 MEMBER_STRIDE = 1_000_000
 """Member ids are ``host_index * MEMBER_STRIDE + n``: each host's agent numbers its own
 workers, never reusing an id, and no two hosts can give out the same one."""
@@ -61,12 +67,6 @@ workers, never reusing an id, and no two hosts can give out the same one."""
 def host_of(member: int) -> int:
     """The index of the host whose agent started ``member``."""
     return member // MEMBER_STRIDE
-FORM_TIMEOUT_S = 30.0
-"""How long a generation's group may take to form once every member is at its door (then
-the collectives' own timeout is set). A member that dies in between leaves the others in the
-formation: their waits for its keys end as soon as the agent publishes the next generation
-(`FormationStore`); only a dead peer's address that no longer answers is left to this
-timeout, instead of the process-group timeout (300 s)."""
 
 
 def gen_key(g: int) -> str:
