@@ -43,6 +43,14 @@ class Backend(abc.ABC):
         writer."""
         return False
 
+    numbers_generations = False
+    """Whether `generation()` numbers the worlds (in place): the durable checkpoints are then
+    fenced by generation too (`checkpoint.fence`)."""
+
+    def generation(self) -> int:
+        """This process's world number, where the backend numbers them; else 0."""
+        return 0
+
     coordinator: tuple[str, int] | None = None
     """The address every rank reaches the job's rendezvous at (torchrun: MASTER_ADDR and
     MASTER_PORT, read by `init`); the interface this host reaches it from is the one its

@@ -135,8 +135,11 @@ class DurableCheckpoints:
                 on_event=self._emit, before_publish=hook,
                 **self.config.store.store_options(opts.url),
             )
-            if opts.lease_epoch:  # a relaunch that took the run over fences this job out
-                manager.before_publish = fenced(lambda: manager.store, opts.lease_epoch, hook)
+            # a relaunch that took the run over fences this job out; a newer generation (in
+            # place) fences out the writers of the older ones
+            if opts.lease_epoch or self.backend.numbers_generations:
+                manager.before_publish = fenced(lambda: manager.store, opts.lease_epoch, hook,
+                                                generation=self.backend.generation)
         return self._manager
 
     @property

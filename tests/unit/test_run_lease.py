@@ -8,7 +8,13 @@ import time
 
 import pytest
 
-from hvd_resilient.checkpoint.fence import CheckpointFencedError, fenced, raise_fence, read_fence
+from hvd_resilient.checkpoint.fence import (
+    CheckpointFencedError,
+    fenced,
+    raise_fence,
+    read_fence,
+    read_mark,
+)
 from hvd_resilient.checkpoint.manager import CheckpointManager
 from hvd_resilient.run_lease import TTL_S, LeaseHeldError, LeaseLostError, RunLease
 
@@ -72,3 +78,25 @@ def test_the_processes_of_one_job_share_its_epoch_and_a_dead_jobs_name_is_not_jo
     now[0] += TTL_S + 0.1  # the job died: the same name relaunched is a new epoch
     again = RunLease(tmp_path, "torchrun:r:h:29400", clock=lambda: now[0])
     assert again.join_or_take(wait_s=0) is not None and again.epoch == 2
+
+
+def test_a_writer_of_an_older_generation_is_refused_once_a_newer_one_published(tmp_path):
+    """In place: a rank 0 cut off from the others (generation 3) must not publish after the
+    others' rank 0 published in the generation that went on without it (4); a relaunch (a
+    higher epoch, its generations from 0 again) is not held back by them."""
+    url = f"file://{tmp_path}/ckpt"
+
+    def writer(epoch: int, generation: int) -> CheckpointManager:
+        mgr = CheckpointManager(url)
+        mgr.before_publish = fenced(lambda: mgr.store, epoch, None, generation=lambda: generation)
+        return mgr
+
+    old, new = writer(0, 3), writer(0, 4)
+    old.save(10, 0, 3, {"state.pt": b"a"})
+    assert read_mark(old.store) == (0, 3)
+    new.save(20, 0, 2, {"state.pt": b"b"})
+    with pytest.raises(CheckpointFencedError, match="generation 3 is older than generation 4"):
+        old.save(30, 0, 3, {"state.pt": b"c"})
+    writer(1, 0).save(40, 0, 2, {"state.pt": b"d"})
+    assert read_mark(new.store) == (1, 0)
+    assert [c.step for c in CheckpointManager(url).scan().checkpoints] == [10, 20, 40]

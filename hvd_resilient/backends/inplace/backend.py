@@ -147,6 +147,7 @@ class _Generations(TorchDistWorld):
 
 class InPlaceBackend(TorchDistBackend):
     name = "inplace"
+    numbers_generations = True
     resume_on_every_rank = False  # rank 0 reads the durable checkpoint, the sync spreads it
     reduces_in_backward = False  # the gradients are averaged at optimizer.step() (grads.py)
 
@@ -195,6 +196,10 @@ class InPlaceBackend(TorchDistBackend):
     def size(self) -> int:
         assert self.membership is not None, "init() first"
         return len(self.membership.members)
+
+    def generation(self) -> int:
+        """The generation this worker trains in (its checkpoints carry it: `fenced`)."""
+        return max(self.membership.generation, 0) if self.membership is not None else 0
 
     def local_size(self) -> int:
         """The members its host's agent started (they share this machine's cores)."""
