@@ -76,7 +76,7 @@ from inplace_recovery import p90, steps  # noqa: E402  (bench/inplace_recovery.p
 from partition import teardown  # noqa: E402  (bench/partition.py)
 
 from tests.chaos.conftest import Chaos  # noqa: E402
-from tests.chaos.test_chaos_inplace import COMMIT_EVERY, InplaceRun  # noqa: E402
+from tests.chaos.test_chaos_inplace import COMMIT_EVERY, InplaceRun, kill_once  # noqa: E402
 from tests.support.etcd_cluster import EtcdCluster  # noqa: E402
 from tests.support.netns import (  # noqa: E402
     SSHD,
@@ -210,8 +210,9 @@ def _fault_and_measure(chaos: Chaos, scenario: str, name: str, a: argparse.Names
         victim = rng.choice(sorted(on_host))
         t0 = c.kill_pid(victim)
         lost = {victim}
-    elif scenario in ("kill_host", "kill_coordinator_host", "etcd_kill_host0",
-                      "etcd_kill_host"):
+    elif scenario == "kill_coordinator_host":  # once: a relaunch's ssh session must live
+        t0 = kill_once(c, host)
+    elif scenario in ("kill_host", "etcd_kill_host0", "etcd_kill_host"):
         t0, killed = c.kill_host(host)
         out["killed"] = len(killed)
         lost = first if relaunch else on_host

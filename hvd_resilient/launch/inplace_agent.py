@@ -159,28 +159,36 @@ class Agent:
         ended: list[int] = []
         with lock:
             host.start()
-        threading.Thread(target=self._hear, args=(cluster, lock, ended), daemon=True,
-                         name="inplace-coordinator").start()
+        hearing = threading.Thread(target=self._hear, args=(cluster, lock, ended),
+                                   daemon=True, name="inplace-coordinator")
+        hearing.start()
         while True:
             with lock:
                 host.reap()
-                if ended:
-                    host.finish()
-                    return ended[0]
+                done = bool(ended)
+            if done:
+                host.finish()
+                hearing.join(1.0)  # its acknowledgement sent: the coordinator may exit
+                return ended[0]
             now = time.monotonic()
-            if not cluster.heard(now):
+            if cluster.link.closed():  # its agent died: no need to wait for the beat
+                logger.error("the coordinator's agent (%s) is gone (its connection closed): "
+                             "ending this host's workers", coordinator)
+            elif not cluster.heard(now):
                 logger.error("cut off from the coordinator (%s) for %.1fs: ending this host's "
                              "workers; the others go on without them", coordinator,
                              now - cluster.beat.changed_at)
-                with lock:
-                    host.end_all()
-                    host.finish()
-                # not a return: the hearing thread may be inside a store call that never
-                # ends, and the interpreter's exit would abort on it (std::terminate)
-                logging.shutdown()
-                sys.stdout.flush()
-                os._exit(1)
-            time.sleep(POLL_S)
+            else:
+                time.sleep(POLL_S)
+                continue
+            with lock:
+                host.end_all()
+                host.finish()
+            # not a return: the hearing thread may be inside a store call that never ends,
+            # and the interpreter's exit would abort on it (std::terminate)
+            logging.shutdown()
+            sys.stdout.flush()
+            os._exit(1)
 
     def _hear(self, cluster: Following, lock: threading.Lock, ended: list[int]) -> None:
         """Sends this host's report and carries out what the coordinator decided, until the
@@ -212,7 +220,9 @@ class Agent:
                 if code is not None:
                     host.end_all()
                     ended.append(code)
-                    return
+            if code is not None:  # acknowledged once `ended` holds it: the coordinator
+                cluster.acknowledge()  # exits after this, and its link closes
+                return
             time.sleep(POLL_S)
 
 

@@ -182,9 +182,14 @@ class Following:
         return self.store.check(["finishing"])
 
     def ended(self) -> int | None:
-        """The job's exit code once the coordinator ended it (this host acknowledges)."""
+        """The job's exit code once the coordinator ended it (`acknowledge` after)."""
         if not self.store.check(["end"]):
             return None
-        code = int(self.store.get("end"))
-        self.store.set(f"ack/{self.host_index}", "1")
-        return code
+        return int(self.store.get("end"))
+
+    def acknowledge(self) -> None:
+        """This host saw the end: the coordinator may exit."""
+        try:
+            self.store.set(f"ack/{self.host_index}", "1")
+        except Exception as e:  # gone already: it waits for acks a bounded time
+            logger.debug("acknowledging the end: %s", e)
