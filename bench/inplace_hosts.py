@@ -212,6 +212,7 @@ def _fault_and_measure(chaos: Chaos, scenario: str, name: str, a: argparse.Names
         lost = {victim}
     elif scenario == "kill_coordinator_host":  # once: a relaunch's ssh session must live
         t0 = kill_once(c, host)
+        lost = first
     elif scenario in ("kill_host", "etcd_kill_host0", "etcd_kill_host"):
         t0, killed = c.kill_host(host)
         out["killed"] = len(killed)
