@@ -228,3 +228,24 @@ def test_the_launcher_with_hosts_builds_the_fanout_and_refuses_np_over_the_slots
     opts, launcher = command("--launcher", "inplace", "--np", "3")  # one machine: as before
     assert "-m hvd_resilient.launch.inplace_agent --nproc 3 --min-np 1 --" in " ".join(
         launcher.command(opts, []))
+
+
+def test_with_etcd_no_agent_is_given_a_coordinator_and_each_launch_has_its_own_keys():
+    a = fanout.parse(["--hosts", "a:2,b:1", "--etcd", "http://e1:2379,http://e2:2379",
+                      "--", "python", "t.py"])
+    b = fanout.parse(["--hosts", "a:2,b:1", "--etcd", "http://e1:2379", "--", "python", "t.py"])
+    assert a.job and b.job and a.job != b.job  # a relaunch starts from generation 0 again
+    hosts = [("a", 2), ("b", 1)]
+    args = fanout.agent_args(a, 1, hosts, "a:1234")
+    assert "--coordinator" not in args
+    assert args[args.index("--etcd") + 1] == "http://e1:2379,http://e2:2379"
+    assert args[args.index("--job") + 1] == a.job
+    assert args[args.index("--job-nproc") + 1] == "3"
+    with pytest.raises(ConfigError, match="--etcd entry 'e1:2379' must look like"):
+        opts, launcher = resolve(build_parser().parse_args(
+            ["--launcher", "inplace", "--hosts", "a:1,b:1", "--etcd", "e1:2379", "--", "t"]))
+        launcher.check(opts)
+    with pytest.raises(ConfigError, match="--etcd applies with --hosts"):
+        opts, launcher = resolve(build_parser().parse_args(
+            ["--launcher", "inplace", "--etcd", "http://e1:2379", "--", "t"]))
+        launcher.check(opts)

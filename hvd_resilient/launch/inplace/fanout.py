@@ -1,7 +1,8 @@
 """`--launcher inplace --hosts h1:2,h2:2`: one in-place agent per host, host 0's first.
 
     python -m hvd_resilient.launch.inplace.fanout --hosts h1:2,h2:2 [--ssh-port P]
-        [--min-np M] [--last-call S] [--replace] [--standby K] [--env-names A,B] -- CMD...
+        [--min-np M] [--last-call S] [--replace] [--standby K] [--etcd URL,...]
+        [--env-names A,B] -- CMD...
 
 Host 0's agent coordinates (it hosts the store and decides the generations), so it starts
 first, and the others are only started once it has printed where its store listens
@@ -28,6 +29,11 @@ The job's exit code is host 0's agent's. Host 0's ssh ending 255 (ssh's own fail
 connection lost) is reported as such, exit 1: no agent exit code is known then. Once host 0's
 agent has ended, the others have no coordinator: they get `--end-grace` seconds to end, then
 their stdin is closed.
+
+With `--etcd` no agent coordinates: every agent gets the etcd endpoints and a fresh folder of
+keys for this launch (`--job`), host 0 still starts first (its line says it is up), and any
+host may be lost while the job goes on, so every agent is waited for and the job's code is the
+one the survivors end with (`_wait_agreed`).
 """
 
 from __future__ import annotations
