@@ -11,12 +11,9 @@ checkpoint every 8, `--step-time 0.05`). Once a step >= 20 has ended, and after 
 - `kill_worker`: SIGKILL one (random) worker on host 2;
 - `kill_host`: every process on host 1 SIGKILLed (its agent, workers and ssh session; its sshd
   stays): not rank 0's host;
-- `kill_coordinator_host`: the same on host 0, whose agent coordinates and which holds rank 0.
-  The other hosts are cut off and stop, `hvd-resilient run` relaunches the job
-  (`--max-restarts 2`) and it resumes from its durable checkpoint: timed to the first step of a
-  relaunched worker. `others stopped`: when the workers of hosts 1 and 2 were all gone; the
-  JSON also has when the launcher relaunched (`relaunch_s`) and when the relaunched workers
-  were up (`relaunched_start_s`, their `start` events);
+- `kill_coordinator_host`: every process on host 0 SIGKILLed once (its agent coordinates, it
+  holds rank 0 and the generation's store): host 1's agent coordinates from the newest record
+  on, and the survivors go on in place;
 - `partition`: host 2's link down. `cut-off side stopped`: when host 2's workers were all gone
   (psutil, polled), while still cut off; the link is healed once they are and the others have
   stepped at 4 (or `--stop-window` s after the fault), so the job can finish;
@@ -30,7 +27,7 @@ Per run, from `samples.jsonl` (one line per rank per step: its end time and pid)
 `events.jsonl`:
 
 - `first step`: the fault -> the first step that ends after it in the recovered world (in place:
-  at the new size, 5 or 4, in a process that is not a lost one; relaunched: in a new process);
+  at the new size, 5 or 4, in a process that is not a lost one);
 - `redone`: steps trained before the fault and trained again after it;
 - `kept pids` (in place): every survivor trains on after the fault in the process it was
   launched as, and no worker was started anew;
@@ -88,11 +85,11 @@ HOSTS, SLOTS = 3, 2
 NP = HOSTS * SLOTS
 HIT_AFTER_STEP = 20
 POLL_S = 0.02
-SCENARIOS: dict[str, tuple[int, int | None]] = {
-    # scenario: (the host hit, the world's size once recovered; None: relaunched at NP)
+SCENARIOS: dict[str, tuple[int, int]] = {
+    # scenario: (the host hit, the world's size once recovered)
     "kill_worker": (2, NP - 1),
     "kill_host": (1, NP - SLOTS),
-    "kill_coordinator_host": (0, None),
+    "kill_coordinator_host": (0, NP - SLOTS),
     "partition": (2, NP - SLOTS),
     "freeze_host": (2, NP - SLOTS),
     # with --etcd (a member in each host's namespace): host 0 holds rank 0, most likely the
@@ -134,12 +131,6 @@ def _since(t: float | None, t0: float) -> float | None:
     return None if t is None else round(t - t0, 3)
 
 
-def _first_event(evs: list[dict[str, Any]], kind: str, t0: float) -> float | None:
-    """Seconds from t0 to the first ``kind`` event after it."""
-    return _since(min((e["ts"] for e in evs if e["event"] == kind and e["ts"] > t0),
-                      default=None), t0)
-
-
 def run_once(scenario: str, work: Path, a: argparse.Namespace,
              rng: random.Random) -> dict[str, Any]:
     """One run: cluster, job, fault, measurements; always torn down."""
@@ -166,7 +157,6 @@ def run_once(scenario: str, work: Path, a: argparse.Namespace,
 def _fault_and_measure(chaos: Chaos, scenario: str, name: str, a: argparse.Namespace,
                        rng: random.Random, t_start: float) -> dict[str, Any]:
     hit_index, new_size = SCENARIOS[scenario]
-    relaunch = new_size is None
     c = chaos.cluster(HOSTS)
     etcd = None
     if scenario.startswith("etcd_"):
@@ -174,8 +164,7 @@ def _fault_and_measure(chaos: Chaos, scenario: str, name: str, a: argparse.Names
                            netns=[h.ns for h in c.hosts])
         c.before_close.append(etcd.close)  # after the job, before the network goes
         etcd.start()
-    run = InplaceRun(chaos, c, name, max_steps=a.max_steps, restarts=2 if relaunch else 0,
-                     etcd=etcd)
+    run = InplaceRun(chaos, c, name, max_steps=a.max_steps, etcd=etcd)
     c.adopt(run.job.proc.pid)  # a sweep after a crash of this process ends it too
     end = t_start + a.timeout
     exited: Callable[[], int | None] = run.job.proc.poll
@@ -210,13 +199,13 @@ def _fault_and_measure(chaos: Chaos, scenario: str, name: str, a: argparse.Names
         victim = rng.choice(sorted(on_host))
         t0 = c.kill_pid(victim)
         lost = {victim}
-    elif scenario == "kill_coordinator_host":  # once: a relaunch's ssh session must live
+    elif scenario == "kill_coordinator_host":  # once, as the chaos test does
         t0 = kill_once(c, host)
-        lost = first
+        lost = on_host
     elif scenario in ("kill_host", "etcd_kill_host0", "etcd_kill_host"):
         t0, killed = c.kill_host(host)
         out["killed"] = len(killed)
-        lost = first if relaunch else on_host
+        lost = on_host
     elif scenario == "partition":
         t0 = c.partition(host)
         lost = on_host
@@ -225,13 +214,11 @@ def _fault_and_measure(chaos: Chaos, scenario: str, name: str, a: argparse.Names
         out["frozen"] = len(frozen)
         lost = on_host
     out["fault_at_s"] = round(t0 - t_start, 1)  # after the launch
-    # partition: the cut-off side; the coordinator's host lost: the other hosts' workers
-    watch = GoneWatch(first - on_host if relaunch else on_host) \
-        if scenario in ("partition", "kill_coordinator_host") else None
+    watch = GoneWatch(on_host) if scenario == "partition" else None  # the cut-off side
 
     def recovered_step() -> dict[str, Any] | None:
         after = [s for s in steps(run.run) if s["t"] > t0 and s["pid"] not in lost
-                 and (s["pid"] not in first if relaunch else s["size"] == new_size)]
+                 and s["size"] == new_size]
         return min(after, key=lambda s: s["t"]) if after else None
 
     give_up = min(end, t0 + a.recover_timeout)
@@ -260,8 +247,7 @@ def _fault_and_measure(chaos: Chaos, scenario: str, name: str, a: argparse.Names
             break
         time.sleep(POLL_S)
     if watch is not None:
-        out["cut_off_stopped_s" if scenario == "partition" else "others_stopped_s"] = \
-            _since(watch.at, t0)
+        out["cut_off_stopped_s"] = _since(watch.at, t0)
     if recovered is None:
         raise RuntimeError(f"did not recover within {give_up - t0:.0f} s of the fault "
                            f"(launcher exit {exited()})")
@@ -279,16 +265,10 @@ def _fault_and_measure(chaos: Chaos, scenario: str, name: str, a: argparse.Names
     out["fault_to_end_s"] = round(time.time() - t0, 1)
     evs = run.events()
     rows = steps(run.run)
-    size = NP if relaunch else new_size
-    if not relaunch:
-        survivors = first - lost
-        after = {s["pid"] for s in rows if s["t"] > t0 and s["size"] == new_size}
-        out["kept_pids"] = survivors <= after and not (after - first)
-        out["starts"] = sum(e["event"] == "start" for e in evs)
-    else:  # where the time went: the launcher's exit (the relaunch), the new workers up
-        out["cut_off_line"] = "cut off from the coordinator" in run.job.output()
-        out.update(relaunch_s=_first_event(evs, "restart", t0),
-                   relaunched_start_s=_first_event(evs, "start", t0))
+    survivors = first - lost
+    after = {s["pid"] for s in rows if s["t"] > t0 and s["size"] == new_size}
+    out["kept_pids"] = survivors <= after and not (after - first)
+    out["starts"] = sum(e["event"] == "start" for e in evs)
     if scenario == "partition":  # the chaos test's check: the old world wrote nothing
         out["cut_off_wrote"] = [[e["event"], round(e["ts"] - t0, 3)] for e in evs
                                 if e["ts"] > t0 + 0.5 and e.get("size") == NP and e["event"]
@@ -296,7 +276,7 @@ def _fault_and_measure(chaos: Chaos, scenario: str, name: str, a: argparse.Names
     done: dict[int, Any] = {e["rank"]: e["digests"] for e in evs
                             if e["event"] == "done" and "digests" in e and e["ts"] > t0}
     out["done_ranks"] = sorted(done)
-    out["digests_equal"] = (out["rc"] == 0 and sorted(done) == list(range(size or 0))
+    out["digests_equal"] = (out["rc"] == 0 and sorted(done) == list(range(new_size))
                             and len({json.dumps(d, sort_keys=True) for d in done.values()}) == 1)
     return out
 
@@ -314,8 +294,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "errors": [r["error"] for r in runs if "error" in r],
         "unclean_teardowns": [r["teardown"] for r in runs if r.get("teardown") != "clean"],
     }
-    for m in ("first_step_s", "redone", "cut_off_stopped_s", "others_stopped_s", "relaunch_s",
-              "relaunched_start_s"):
+    for m in ("first_step_s", "redone", "cut_off_stopped_s"):
         xs = [r[m] for r in ok if r.get(m) is not None]
         if xs:
             out[m] = _stats(xs)
@@ -345,24 +324,17 @@ def table(summary: dict[str, dict[str, Any]]) -> str:
     ]
     for sc, s in summary.items():
         d = s.get("redone")
-        stop = s.get("cut_off_stopped_s") or s.get("others_stopped_s")
+        stop = s.get("cut_off_stopped_s")
         stop_cell = "-"
         if sc == "partition":
             stop_cell = f"{cell(stop)}, target {target(stop, CUT_OFF_TARGET)}"
-        elif stop:
-            stop_cell = f"{cell(stop)} (other hosts' workers)"
-            for m, what in (("relaunch_s", "relaunched at"),
-                            ("relaunched_start_s", "new workers up at")):
-                if s.get(m):
-                    stop_cell += f"; {what} {s[m]['median']}"
-        for m in ("cut_off_stopped_s", "others_stopped_s"):
-            if s.get(m + "_never"):
-                stop_cell += f", never in {s[m + '_never']}"
+        if s.get("cut_off_stopped_s_never"):
+            stop_cell += f", never in {s['cut_off_stopped_s_never']}"
         lines.append(
             f"| {sc} | {s['recovered']}/{s['runs']} | {cell(s.get('first_step_s'))} | "
             f"{target(s.get('first_step_s'), TARGETS[sc])} | "
             + (f"{d['median']} / {d['max']}" if d else "-")
-            + f" | {s.get('kept_pids', 'relaunched' if sc == 'kill_coordinator_host' else '-')}"
+            + f" | {s.get('kept_pids', '-')}"
             f" | {s['digests_equal']}/{s['recovered']} | {stop_cell} |")
     return "\n".join(lines)
 
@@ -379,8 +351,7 @@ def main() -> int:
                    help="seconds after the fault a run may take to recover")
     p.add_argument("--stop-window", type=float, default=10.0,
                    help="partition: heal by then after the fault even if the cut-off side "
-                        "still runs; partition and kill_coordinator_host: stop watching the "
-                        "stopping side then (s)")
+                        "still runs, and stop watching it (s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep", action="store_true", help="keep the run folders (logs, events)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "inplace-hosts.json"))

@@ -37,14 +37,14 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import TextIO
+from typing import NoReturn, TextIO
 
 from hvd_resilient import log
 from hvd_resilient.backends.inplace.membership import door_key, formed_key
 from hvd_resilient.cli_errors import exit_on_error
 from hvd_resilient.errors import ConfigError
 from hvd_resilient.launch.inplace.decide import Coordinator, Decision
-from hvd_resilient.launch.inplace.embedded import Coordinating, Following, Record
+from hvd_resilient.launch.inplace.embedded import Coordinating, Following, Record, successor
 from hvd_resilient.launch.inplace.fanout import COORDINATOR_LINE
 from hvd_resilient.launch.inplace.host_agent import HostAgent
 
@@ -52,6 +52,9 @@ logger = logging.getLogger("hvd_resilient.launch.inplace_agent")  # not __name__
 POLL_S = 0.01
 START_S = 120.0
 """How long the coordinator waits for every host's first report before generation 0."""
+CONNECT_S = 10.0
+"""How long an agent tries to reach its coordinator's store (a successor's is just being set
+up when its followers come)."""
 
 
 class Agent:
@@ -68,7 +71,9 @@ class Agent:
         self.host_index, self.hosts = host_index, hosts
         self.coordinator_address = coordinator
         self.decide = Coordinator(job_nproc or nproc, min_np, last_call_s)
-        self.cluster = Coordinating(self.host.server, host_index, host)
+        self.cluster = (Coordinating(self.host.server, host_index, self.host.address
+                                     .rpartition(":")[0]) if coordinator is None else None)
+        """The coordinator's side, on the agent that coordinates (host 0's, or a successor)."""
         self.began = time.monotonic()
 
     @property
@@ -100,6 +105,7 @@ class Agent:
         """One look at every host (the coordinating agent); an exit code when the job is
         over."""
         host, decide, cluster = self.host, self.decide, self.cluster
+        assert cluster is not None, "the coordinating agent's"
         now = time.monotonic()
         host.reap()
         reports = {**cluster.reports(self.hosts, now), self.host_index: host.report()}
@@ -132,7 +138,9 @@ class Agent:
             for m, why in d.fence.items():
                 host.fence([m], why)
         if d.publish is not None:
-            record = Record(self.decide.generation, d.publish, host.address)
+            agents = {**{h: a for h, a in cluster.addresses.items() if h in heard and a},
+                      self.host_index: host.address}
+            record = Record(self.decide.generation, d.publish, host.address, agents)
             cluster.publish(record)
             host.mirror(record.generation, record.members, record.store)
         if d.finishing:
@@ -149,17 +157,59 @@ class Agent:
 
     # -- an agent that follows ------------------------------------------------------------
     def _follow(self, coordinator: str) -> int:
-        """The coordinator is heard on a thread of its own: a store call over a link that is
-        down blocks until the link comes back (torch's store timeout bounds the wait for a
-        key, not a reply that never arrives), and this loop must still end the workers of a
-        host cut off for `CUT_OFF_S`."""
+        """Follows the coordinator; when its agent dies, the successor the newest record
+        names coordinates (this agent, or another that this one follows from then on)."""
+        self.host.start()
+        while True:
+            outcome = self._follow_one(coordinator)
+            if isinstance(outcome, int):
+                return outcome
+            dead = next((h for h, a in outcome.agents.items() if a == coordinator), None)
+            nxt = successor(outcome, dead) if dead is not None else None
+            if nxt is None:
+                self._stop_here(f"the coordinator's agent ({coordinator}) is gone and the "
+                                f"newest generation names no agent after it")
+            logger.warning("the coordinator's agent (host %s) is gone: host %d coordinates "
+                           "from generation %d on", dead, nxt, outcome.generation)
+            if nxt == self.host_index:
+                return self._take_over(outcome)
+            coordinator = outcome.agents[nxt]
+
+    def _take_over(self, record: Record) -> int:
+        """Coordinates from ``record``'s generation on, on this agent's own store."""
+        self.cluster = Coordinating(self.host.server, self.host_index,
+                                    self.host.address.rpartition(":")[0])
+        self.decide.generation, self.decide.members = record.generation, list(record.members)
+        self.began = time.monotonic()
+        while True:
+            code = self.step()
+            if code is not None:
+                return code
+            time.sleep(POLL_S)
+
+    def _stop_here(self, why: str) -> NoReturn:
+        """Ends this host's workers and the agent; never returns (see `_follow_one`)."""
+        logger.error("%s: ending this host's workers", why)
+        self.host.end_all()
+        self.host.finish()
+        # not a return: a hearing thread may be inside a store call that never ends, and the
+        # interpreter's exit would abort on it (std::terminate)
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(1)
+
+    def _follow_one(self, coordinator: str) -> int | Record:
+        """Follows one coordinator until the job's end (its code) or its agent's death (the
+        newest record, which names who comes next). Heard on a thread of its own: a store
+        call over a link that is down blocks until the link comes back (torch's store
+        timeout bounds the wait for a key, not a reply that never arrives), and this loop must
+        still end the workers of a host cut off for `CUT_OFF_S`."""
         host = self.host
-        cluster = Following(coordinator, self.host_index, time.monotonic())
+        cluster = self._connect(coordinator)
         lock = threading.Lock()
         ended: list[int] = []
-        with lock:
-            host.start()
-        hearing = threading.Thread(target=self._hear, args=(cluster, lock, ended),
+        gone = threading.Event()
+        hearing = threading.Thread(target=self._hear, args=(cluster, lock, ended, gone),
                                    daemon=True, name="inplace-coordinator")
         hearing.start()
         while True:
@@ -171,30 +221,37 @@ class Agent:
                 hearing.join(1.0)  # its acknowledgement sent: the coordinator may exit
                 return ended[0]
             now = time.monotonic()
-            if cluster.link.closed():  # its agent died: no need to wait for the beat
-                logger.error("the coordinator's agent (%s) is gone (its connection closed): "
-                             "ending this host's workers", coordinator)
-            elif not cluster.heard(now):
-                logger.error("cut off from the coordinator (%s) for %.1fs: ending this host's "
-                             "workers; the others go on without them", coordinator,
-                             now - cluster.beat.changed_at)
-            else:
-                time.sleep(POLL_S)
-                continue
-            with lock:
-                host.end_all()
-                host.finish()
-            # not a return: the hearing thread may be inside a store call that never ends,
-            # and the interpreter's exit would abort on it (std::terminate)
-            logging.shutdown()
-            sys.stdout.flush()
-            os._exit(1)
+            if cluster.link.closed():  # its agent died: the next one takes over
+                with lock:
+                    gone.set()  # the old hearing thread acts on nothing from now on
+                if cluster.last is not None and cluster.last.agents:
+                    return cluster.last
+                self._stop_here(f"the coordinator's agent ({coordinator}) is gone")
+            if not cluster.heard(now):
+                self._stop_here(f"cut off from the coordinator ({coordinator}) for "
+                                f"{now - cluster.beat.changed_at:.1f}s; the others go on "
+                                f"without this host")
+            time.sleep(POLL_S)
 
-    def _hear(self, cluster: Following, lock: threading.Lock, ended: list[int]) -> None:
+    def _connect(self, coordinator: str) -> Following:
+        """The coordinator's store, waited for a while (a successor sets itself up just as
+        its followers come)."""
+        deadline = time.monotonic() + CONNECT_S
+        while True:
+            try:
+                return Following(coordinator, self.host_index, time.monotonic(),
+                                 self.host.address)
+            except Exception as e:
+                if time.monotonic() > deadline:
+                    self._stop_here(f"the coordinator ({coordinator}) cannot be reached: {e}")
+                time.sleep(0.05)
+
+    def _hear(self, cluster: Following, lock: threading.Lock, ended: list[int],
+              gone: threading.Event) -> None:
         """Sends this host's report and carries out what the coordinator decided, until the
         job's end (its code lands in ``ended``)."""
         host = self.host
-        while True:
+        while not gone.is_set():
             with lock:
                 report, alive = host.report(), sorted(host.alive)
             try:
@@ -211,6 +268,8 @@ class Agent:
                 time.sleep(POLL_S)
                 continue
             with lock:
+                if gone.is_set():  # this coordinator died: the next one decides
+                    return
                 if record is not None:
                     host.mirror(record.generation, record.members, record.store)
                 for m, why in fences.items():

@@ -140,3 +140,11 @@ def test_reports_cross_the_wire_unchanged():
                      finished=[5], failed={6: -9}, evict={H1: "silent"}, stopping=True,
                      unadopted=None)
     assert HostReport.from_json(rep.to_json()) == rep
+
+
+def test_every_survivor_names_the_same_successor_from_the_newest_record():
+    from hvd_resilient.launch.inplace.embedded import Record, successor
+
+    record = Record(3, [H1, 2 * MEMBER_STRIDE], "a:1", {0: "a:1", 2: "c:1", 1: "b:1"})
+    assert successor(record, 0) == 1 and successor(record, 1) == 0
+    assert successor(Record(3, [0], "a:1", {0: "a:1"}), 0) is None

@@ -197,6 +197,7 @@ def test_a_remote_agent_runs_over_ssh_in_this_directory_every_word_quoted(monkey
     odd.mkdir()
     monkeypatch.chdir(odd)
     monkeypatch.setattr(fanout, "require", lambda exe, hint: f"/usr/bin/{exe}")
+    monkeypatch.delenv("PYTHONPATH", raising=False)
     args = ["--nproc", "2", "--", "python", "t.py", "$HOME"]
     cmd = fanout.agent_command("h2", args, local=False, ssh_port=2222)
     assert cmd[:6] == ["/usr/bin/ssh", "-p", "2222", "-o", "BatchMode=yes", "h2"]
@@ -204,6 +205,9 @@ def test_a_remote_agent_runs_over_ssh_in_this_directory_every_word_quoted(monkey
                                    fanout.AGENT_MODULE, *args]
     assert fanout.agent_command("h2", args, local=True, ssh_port=22) == [
         sys.executable, "-m", fanout.AGENT_MODULE, *args]
+    monkeypatch.setenv("PYTHONPATH", "/src dir")  # the agent's own imports: before its stdin
+    assert shlex.split(fanout.agent_command("h2", args, local=False, ssh_port=22)[6])[3:6] == [
+        "exec", "env", "PYTHONPATH=/src dir"]
 
 
 def command(*argv: str) -> tuple[Any, Any]:

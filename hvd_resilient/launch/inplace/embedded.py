@@ -17,9 +17,13 @@ own workers, so a side that cannot hear the coordinator never trains on, or writ
 `CUT_OFF_S` is the longer, so the coordinator has already given up on a cut-off host when it
 stops.
 
-Losing the coordinator's host ends the job (every other host is cut off and stops), and
-`hvd-resilient run` relaunches it from the durable checkpoint; etcd (`etcd_agreement`) is what
-makes that host's loss cost one generation instead.
+The coordinator's agent seen to die (its connection closed): every other agent computes the
+same successor from the newest generation's record (`successor`: the lowest other host, whose
+store's address the record carries), which coordinates from that generation on, on its own
+store; the others follow it there, and the lost host costs one generation. A coordinator that
+is only cut off (nothing closes) is not replaced: the others stop after `CUT_OFF_S` and
+`hvd-resilient run` relaunches the job, so that two coordinators never decide at once; etcd
+(`agreed`) is what answers that case in place too.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import json
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
@@ -53,6 +57,17 @@ class Record:
     members: list[int]
     store: str
     """``host:port`` of the store its process group forms on."""
+    agents: dict[int, str] = field(default_factory=dict)
+    """Every agent heard from, by host index: its store's address. Each agent keeps the
+    newest, so that when the coordinator's agent dies the next one (`successor`) is known to
+    all, and where to reach it."""
+
+
+def successor(record: Record, dead: int) -> int | None:
+    """The agent that coordinates once ``dead``'s is gone: the lowest other host index of
+    the newest generation's agents (every survivor computes the same from the same record)."""
+    others = [h for h in record.agents if h != dead]
+    return min(others) if others else None
 
 
 class _Clock:
@@ -79,6 +94,8 @@ class Coordinating:
         self.store.set("liveness", self.listener.address)
         self.gone: set[int] = set()
         """Hosts whose agent's connection closed: lost for good."""
+        self.addresses: dict[int, str] = {}
+        """Every other agent's store, as its reports give it."""
 
     def _watch_links(self) -> None:
         for h in self.listener.closed():
@@ -95,6 +112,7 @@ class Coordinating:
             if h == self.host_index or h in self.gone or not self.store.check([f"report/{h}"]):
                 continue
             raw = json.loads(self.store.get(f"report/{h}"))
+            self.addresses[h] = str(raw.get("address", ""))
             clock = self.clocks.setdefault(h, _Clock(now))
             clock.see(raw["seq"], now)
             if now - clock.changed_at < HOST_LOST_S:
@@ -107,7 +125,8 @@ class Coordinating:
 
     def publish(self, record: Record) -> None:
         self.store.set(f"gen/{record.generation}",
-                       json.dumps({"members": record.members, "store": record.store}))
+                       json.dumps({"members": record.members, "store": record.store,
+                                   "agents": {str(h): a for h, a in record.agents.items()}}))
         self.store.set("gen", str(record.generation))
 
     def fence(self, fence: Mapping[int, str]) -> None:
@@ -135,7 +154,14 @@ class Coordinating:
 class Following:
     """A follower's side: sends its report, reads the decisions, notices a lost coordinator."""
 
-    def __init__(self, coordinator: str, host_index: int, now: float) -> None:
+    def __init__(self, coordinator: str, host_index: int, now: float,
+                 address: str = "") -> None:
+        """``address``: this agent's own store, sent with every report (a coordinator after
+        this one is reached there)."""
+        self.address = address
+        self.coordinator = coordinator
+        self.last: Record | None = None
+        """The newest generation's record seen."""
         host, _, port = coordinator.rpartition(":")
         self.client = dist.TCPStore(host, int(port), is_master=False,
                                     timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
@@ -153,7 +179,8 @@ class Following:
     def send(self, report: HostReport) -> None:
         self.seq += 1
         self.store.set(f"report/{self.host_index}",
-                       json.dumps({"seq": self.seq, "report": report.to_json()}))
+                       json.dumps({"seq": self.seq, "report": report.to_json(),
+                                   "address": self.address}))
 
     def read_beat(self, now: float) -> None:
         """The coordinator's beat, as this host hears it (a store that does not answer raises:
@@ -172,7 +199,9 @@ class Following:
             return None
         raw = json.loads(self.store.get(f"gen/{g}"))
         self.generation = g
-        return Record(g, [int(m) for m in raw["members"]], str(raw["store"]))
+        self.last = Record(g, [int(m) for m in raw["members"]], str(raw["store"]),
+                           {int(h): str(a) for h, a in raw.get("agents", {}).items()})
+        return self.last
 
     def fences(self, members: list[int]) -> dict[int, str]:
         return {m: self.store.get(f"fence/{m}").decode() for m in members

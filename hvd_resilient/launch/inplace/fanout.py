@@ -25,10 +25,10 @@ long as it runs:
   this process's group (as `hvd-resilient run` sends it) reaches them only this way.
 * EOF: this process is gone (however it ended); each agent ends its workers and exits.
 
-The job's exit code is host 0's agent's. Host 0's ssh ending 255 (ssh's own failure, or the
-connection lost) is reported as such, exit 1: no agent exit code is known then. Once host 0's
-agent has ended, the others have no coordinator: they get `--end-grace` seconds to end, then
-their stdin is closed.
+The job's exit code is host 0's agent's when it ends on its own; once it has, the others get
+`--end-grace` seconds to end, then their stdin is closed. Host 0's agent killed (or its ssh
+ending 255): the next host's agent coordinates (`inplace.embedded`), and the job's code is the
+one the others end with.
 
 With `--etcd` no agent coordinates: every agent gets the etcd endpoints and a fresh folder of
 keys for this launch (`--job`), host 0 still starts first (its line says it is up), and any
@@ -103,7 +103,11 @@ def agent_command(host: str, args: list[str], *, local: bool, ssh_port: int) -> 
     here = [sys.executable, "-m", agent_module(), *args]
     if local:
         return here
-    remote = f"cd {shlex.quote(os.getcwd())} && exec {shlex.join(here)}"
+    # the agent's own imports happen before its stdin is read: the one variable that decides
+    # which code they find travels on the command line (a path, never a secret)
+    path = os.environ.get("PYTHONPATH")
+    remote = (f"cd {shlex.quote(os.getcwd())} && exec "
+              f"{shlex.join([*(['env', f'PYTHONPATH={path}'] if path else []), *here])}")
     return [require("ssh", "install an ssh client (apt-get install openssh-client)"),
             "-p", str(ssh_port), "-o", "BatchMode=yes", host, remote]
 
@@ -314,6 +318,11 @@ class Fanout:
         for w in watchers:
             w.start()
         code = host0.proc.wait()
+        if len(self.agents) > 1 and (code < 0 or (not host0.local and code == SSH_FAILED)):
+            # its agent died (or its ssh): the others' agents carry on under the next one
+            _say(f"{host0.name}'s agent is gone ({'ssh ' if not host0.local else ''}exit "
+                 f"{exit_code(code)}): the next host's agent coordinates, the job goes on")
+            return self._wait_agreed(out, quiet=True)
         out.thread.join(timeout=PASS_JOIN_S)
         self._let_others_end()
         end(self.agents)  # every one has exited by now: only their pipes are closed
@@ -323,7 +332,7 @@ class Fanout:
             return 1
         return exit_code(code)
 
-    def _wait_agreed(self, out: Passthrough) -> int:
+    def _wait_agreed(self, out: Passthrough, *, quiet: bool = False) -> int:
         """With etcd any host may be lost and the job go on: every agent is waited for, and
         the job's code is the one the survivors ended with (they all end with the leader's
         decision); 0 when any agent says the job finished."""
@@ -331,8 +340,9 @@ class Fanout:
         for agent in self.agents:
             code = agent.proc.wait()
             if not agent.local and code == SSH_FAILED:
-                _say(f"ssh to {agent.name} ended with 255: the connection was lost or ssh "
-                     "failed; its workers are gone from the job")
+                if not quiet:  # (said as it happened)
+                    _say(f"ssh to {agent.name} ended with 255: the connection was lost or "
+                         "ssh failed; its workers are gone from the job")
                 continue
             codes.append(exit_code(code))
         out.thread.join(timeout=PASS_JOIN_S)
