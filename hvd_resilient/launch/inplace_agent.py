@@ -76,13 +76,6 @@ class Agent:
         """The coordinator's side, on the agent that coordinates (host 0's, or a successor)."""
         self.began = time.monotonic()
 
-    @property
-    def address(self) -> str:
-        return self.host.address
-
-    def forward(self, signum: int) -> None:
-        self.host.forward(signum)
-
     def run(self) -> int:
         self.host.install_signals()
         if self.coordinator_address is None:
