@@ -87,6 +87,9 @@ class Agent:
     # -- the coordinating agent -------------------------------------------------------------
     def _coordinate(self) -> int:
         self.host.start()
+        return self._decide_until_the_end()
+
+    def _decide_until_the_end(self) -> int:
         self.began = time.monotonic()
         while True:
             code = self.step()
@@ -173,12 +176,7 @@ class Agent:
         self.cluster = Coordinating(self.host.server, self.host_index,
                                     self.host.address.rpartition(":")[0])
         self.decide.generation, self.decide.members = record.generation, list(record.members)
-        self.began = time.monotonic()
-        while True:
-            code = self.step()
-            if code is not None:
-                return code
-            time.sleep(POLL_S)
+        return self._decide_until_the_end()
 
     def _stop_here(self, why: str) -> NoReturn:
         """Ends this host's workers and the agent; never returns (see `_follow_one`)."""
