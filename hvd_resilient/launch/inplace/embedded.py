@@ -76,6 +76,8 @@ class _Clock:
     def __init__(self, now: float) -> None:
         self.value: object = None
         self.changed_at = now
+        self.said = False
+        """Its host's loss was logged (once)."""
 
     def see(self, value: object, now: float) -> None:
         if value != self.value:
@@ -117,10 +119,10 @@ class Coordinating:
             clock.see(raw["seq"], now)
             if now - clock.changed_at < HOST_LOST_S:
                 out[h] = HostReport.from_json(raw["report"])
-            elif clock.changed_at > 0 and not getattr(clock, "said", False):
+            elif not clock.said:
                 logger.warning("host %d not heard from for %.1fs: its members are lost", h,
                                now - clock.changed_at)
-                clock.said = True  # type: ignore[attr-defined]
+                clock.said = True
         return out
 
     def publish(self, record: Record) -> None:
