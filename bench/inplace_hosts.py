@@ -70,16 +70,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from inplace_recovery import p90, steps  # noqa: E402  (bench/inplace_recovery.py)
-from partition import teardown  # noqa: E402  (bench/partition.py)
+from partition import hosts_unavailable, teardown  # noqa: E402  (bench/partition.py)
 
 from tests.chaos.conftest import Chaos  # noqa: E402
 from tests.chaos.test_chaos_inplace import COMMIT_EVERY, InplaceRun, kill_once  # noqa: E402
 from tests.support.etcd_cluster import EtcdCluster  # noqa: E402
-from tests.support.netns import (  # noqa: E402
-    SSHD,
-    Cluster,
-    Unavailable,
-)
 
 HOSTS, SLOTS = 3, 2
 NP = HOSTS * SLOTS
@@ -360,13 +355,9 @@ def main() -> int:
     unknown = set(chosen) - set(SCENARIOS)
     if unknown:
         p.error(f"unknown scenarios {sorted(unknown)}; scenarios: {', '.join(SCENARIOS)}")
-    try:
-        Cluster._probe()
-    except Unavailable as e:
-        print(f"network namespaces unavailable (run as root): {e}", file=sys.stderr)
-        return 2
-    if not SSHD.exists():
-        print(f"{SSHD} not found: install openssh-server (make install)", file=sys.stderr)
+    why = hosts_unavailable()
+    if why:
+        print(why, file=sys.stderr)
         return 2
     rng = random.Random(a.seed)
     work = Path(tempfile.mkdtemp(prefix="hvd-resilient-inplace-hosts-"))

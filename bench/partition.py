@@ -447,6 +447,17 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def hosts_unavailable() -> str | None:
+    """Why namespaced hosts cannot be built here (a line for the user), None when they can."""
+    try:
+        Cluster._probe()
+    except Unavailable as e:
+        return f"network namespaces unavailable (run as root): {e}"
+    if not SSHD.exists():
+        return f"{SSHD} not found: install openssh-server (make install)"
+    return None
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=5, help="runs of ours")
@@ -463,13 +474,9 @@ def main() -> int:
                         "it under the launcher's shortest cooldown (10 s) (s)")
     p.add_argument("--keep", action="store_true", help="keep the run folders (logs, events)")
     a = p.parse_args()
-    try:
-        Cluster._probe()
-    except Unavailable as e:
-        print(f"network namespaces unavailable (run as root): {e}", file=sys.stderr)
-        return 2
-    if not SSHD.exists():
-        print(f"{SSHD} not found: install openssh-server (make install)", file=sys.stderr)
+    why = hosts_unavailable()
+    if why:
+        print(why, file=sys.stderr)
         return 2
     work = Path(tempfile.mkdtemp(prefix="hvd-resilient-partition-"))
     # ours and vanilla take turns: the machine's load drifts over both alike
