@@ -40,12 +40,11 @@ from collections.abc import Mapping, Sequence
 from typing import NoReturn, TextIO
 
 from hvd_resilient import log
-from hvd_resilient.backends.inplace.membership import door_key, formed_key
 from hvd_resilient.cli_errors import exit_on_error
 from hvd_resilient.errors import ConfigError
-from hvd_resilient.launch.inplace.decide import Coordinator, Decision
-from hvd_resilient.launch.inplace.embedded import Coordinating, Following, Record, successor
-from hvd_resilient.launch.inplace.fanout import COORDINATOR_LINE
+from hvd_resilient.launch.inplace.decide import Coordinator, Decision, Record
+from hvd_resilient.launch.inplace.embedded import Coordinating, Following, successor
+from hvd_resilient.launch.inplace.fanout import COORDINATOR_LINE, worker_command
 from hvd_resilient.launch.inplace.host_agent import HostAgent
 
 logger = logging.getLogger("hvd_resilient.launch.inplace_agent")  # not __name__: run as __main__
@@ -71,8 +70,8 @@ class Agent:
         self.host_index, self.hosts = host_index, hosts
         self.coordinator_address = coordinator
         self.decide = Coordinator(job_nproc or nproc, min_np, last_call_s)
-        self.cluster = (Coordinating(self.host.server, host_index, self.host.address
-                                     .rpartition(":")[0]) if coordinator is None else None)
+        self.cluster = (Coordinating(self.host.server, host_index, self.host.ip)
+                        if coordinator is None else None)
         """The coordinator's side, on the agent that coordinates (host 0's, or a successor)."""
         self.began = time.monotonic()
 
@@ -117,15 +116,10 @@ class Agent:
                 return None
             decision = decide.first(reports)
         else:
-            decision = decide.step(reports, now, self._at_door)
+            decision = decide.step(reports, now, host.at_door)
         code = self._carry_out(cluster, decision, sorted(reports))
         cluster.beat()
         return code
-
-    def _at_door(self, g: int, members: list[int]) -> set[int]:
-        store = self.host.store
-        return {m for m in members if store.check([door_key(g, m)])
-                and not store.check([formed_key(g, m)])}
 
     def _carry_out(self, cluster: Coordinating, d: Decision, heard: list[int]) -> int | None:
         host = self.host
@@ -173,9 +167,8 @@ class Agent:
 
     def _take_over(self, record: Record) -> int:
         """Coordinates from ``record``'s generation on, on this agent's own store."""
-        self.cluster = Coordinating(self.host.server, self.host_index,
-                                    self.host.address.rpartition(":")[0])
-        self.decide.generation, self.decide.members = record.generation, list(record.members)
+        self.cluster = Coordinating(self.host.server, self.host_index, self.host.ip)
+        self.decide.go_on_from(record)
         return self._decide_until_the_end()
 
     def _stop_here(self, why: str) -> NoReturn:
@@ -340,10 +333,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
                         "ssh); EOF ends the workers")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the worker command")
     a = p.parse_args(argv)
-    if a.cmd[:1] == ["--"]:
-        a.cmd = a.cmd[1:]
-    if not a.cmd:
-        raise ConfigError("no worker command: put it after --, e.g. -- python train.py")
+    a.cmd = worker_command(a.cmd)
     if a.standby < 0:
         raise ConfigError(f"need --standby >= 0, got {a.standby}")
     _place_under_srun(a, os.environ)

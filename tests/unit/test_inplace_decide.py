@@ -143,7 +143,8 @@ def test_reports_cross_the_wire_unchanged():
 
 
 def test_every_survivor_names_the_same_successor_from_the_newest_record():
-    from hvd_resilient.launch.inplace.embedded import Record, successor
+    from hvd_resilient.launch.inplace.decide import Record
+    from hvd_resilient.launch.inplace.embedded import successor
 
     record = Record(3, [H1, 2 * MEMBER_STRIDE], "a:1", {0: "a:1", 2: "c:1", 1: "b:1"})
     assert successor(record, 0) == 1 and successor(record, 1) == 0

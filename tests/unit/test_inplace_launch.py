@@ -182,7 +182,7 @@ def test_a_member_through_the_door_must_still_ask():
     door = DOOR.replace("{through}", "2")
     agent = _agent([door, "import sys; sys.exit(3)", door], last_call=60.0)
     try:
-        _until(agent, lambda: 1 in agent.host.failed and agent._at_door(0, [0, 2]) == {0},
+        _until(agent, lambda: 1 in agent.host.failed and agent.host.at_door(0, [0, 2]) == {0},
                timeout=15)
         for _ in range(20):
             assert agent.step() is None

@@ -28,9 +28,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from hvd_resilient.backends.inplace.membership import door_key, formed_key
 from hvd_resilient.errors import RESTARTABLE_EXIT_CODE, ConfigError
-from hvd_resilient.launch.inplace.decide import Coordinator, Decision, HostReport
+from hvd_resilient.launch.inplace.decide import Coordinator, Decision, HostReport, Record
 from hvd_resilient.launch.inplace.etcd_agreement import (
     AgreementUnavailable,
     EtcdAgreement,
@@ -61,7 +60,7 @@ class EtcdAgent:
                  host_index: int, hosts: int) -> None:
         self.host, self.decide, self.ag = host, decide, agreement
         self.host_index, self.hosts = host_index, hosts
-        self.listener = Listener(host.address.rpartition(":")[0])
+        self.listener = Listener(host.ip)
         self.sent = ""
         self.leading = False
         self.gone: set[int] = set()
@@ -146,11 +145,14 @@ class EtcdAgent:
             code = self._lead(report, peers)
         else:
             self._watch_leader(leader, peers)
-        record = ag.newest()
+        record = self._newest()
         if record is not None:
-            raw = json.loads(record[1])
-            host.mirror(record[0], [int(m) for m in raw["members"]], str(raw["store"]))
+            host.mirror(record.generation, record.members, record.store)
         return code
+
+    def _newest(self) -> Record | None:
+        newest = self.ag.newest()
+        return Record.from_json(*newest) if newest is not None else None
 
     def _peers(self) -> dict[int, Peer]:
         out = {}
@@ -217,10 +219,9 @@ class EtcdAgent:
         reports[self.host_index] = mine
         now = time.monotonic()
         if decide.generation < 0:
-            newest = ag.newest()
+            newest = self._newest()
             if newest is not None:  # a leader after another: go on from its last generation
-                decide.generation = newest[0]
-                decide.members = [int(m) for m in json.loads(newest[1])["members"]]
+                decide.go_on_from(newest)
                 logger.info("leading from generation %d (members %s)", decide.generation,
                             decide.members)
         if decide.generation < 0:
@@ -233,30 +234,19 @@ class EtcdAgent:
                 return None
             decision = decide.first(reports)
         else:
-            decision = decide.step(reports, now, self._at_door)
+            decision = decide.step(reports, now, self.host.at_door)
         return self._carry_out(decision)
-
-    def _at_door(self, g: int, members: list[int]) -> set[int]:
-        """Members at generation g's door, not through it; its store is this agent's when this
-        agent published it (otherwise unknown here: empty)."""
-        key = f"store/{g}"
-        store = self.host.store
-        if not store.check([key]) or store.get(key).decode() != self.host.address:
-            return set()
-        return {m for m in members if store.check([door_key(g, m)])
-                and not store.check([formed_key(g, m)])}
 
     def _carry_out(self, d: Decision) -> int | None:
         decide, ag, host = self.decide, self.ag, self.host
         if d.publish is not None:
             g = decide.generation
-            record = json.dumps({"members": d.publish, "store": host.address})
-            if not ag.publish(g, record):  # another agent published g (it led meanwhile)
-                newest = ag.newest()
+            if not ag.publish(g, Record(g, d.publish, host.address).to_json()):
+                # another agent published g (it led meanwhile)
+                newest = self._newest()
                 logger.warning("generation %d was published by another agent; following it", g)
                 if newest is not None:
-                    decide.generation = newest[0]
-                    decide.members = [int(m) for m in json.loads(newest[1])["members"]]
+                    decide.go_on_from(newest)
                 return None
         if d.fence or d.finishing or d.end is not None:
             old = json.loads(self.control) if self.control else {}

@@ -15,9 +15,11 @@ reports: its members count as lost, like a worker that died on a live host.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -53,20 +55,44 @@ class HostReport:
                 "stopping": self.stopping, "unadopted": self.unadopted}
 
     @classmethod
-    def from_json(cls, d: Mapping[str, object]) -> HostReport:
+    def from_json(cls, d: Mapping[str, Any]) -> HostReport:
         def ints(key: str) -> list[int]:
-            return [int(x) for x in d.get(key, []) or []]  # type: ignore[attr-defined]
+            return [int(x) for x in d.get(key) or []]
 
-        def by_member(key: str) -> dict[int, object]:
-            return {int(k): v for k, v in (d.get(key) or {}).items()}  # type: ignore[attr-defined]
+        def by_member(key: str) -> dict[int, Any]:
+            return {int(k): v for k, v in (d.get(key) or {}).items()}
 
         return cls(start=ints("start"), alive=ints("alive"),
-                   asked={k: int(v) for k, v in by_member("asked").items()},  # type: ignore[call-overload]
+                   asked={k: int(v) for k, v in by_member("asked").items()},
                    ready=ints("ready"), busy=ints("busy"), finished=ints("finished"),
-                   failed={k: int(v) for k, v in by_member("failed").items()},  # type: ignore[call-overload]
+                   failed={k: int(v) for k, v in by_member("failed").items()},
                    evict={k: str(v) for k, v in by_member("evict").items()},
                    stopping=bool(d.get("stopping")),
                    unadopted=str(d["unadopted"]) if d.get("unadopted") else None)
+
+
+@dataclass(frozen=True)
+class Record:
+    """A decided generation, as the agreement carries it (JSON, `to_json`/`from_json`)."""
+
+    generation: int
+    members: list[int]
+    store: str
+    """``host:port`` of the store its process group forms on."""
+    agents: dict[int, str] = field(default_factory=dict)
+    """Every agent heard from, by host index: its store's address. Each agent keeps the
+    newest, so that when the coordinator's agent dies the next one (`embedded.successor`) is
+    known to all, and where to reach it."""
+
+    def to_json(self) -> str:
+        return json.dumps({"members": self.members, "store": self.store,
+                           "agents": {str(h): a for h, a in self.agents.items()}})
+
+    @classmethod
+    def from_json(cls, generation: int, raw: str | bytes) -> Record:
+        d = json.loads(raw)
+        return cls(generation, [int(m) for m in d["members"]], str(d["store"]),
+                   {int(h): str(a) for h, a in d.get("agents", {}).items()})
 
 
 @dataclass
@@ -99,6 +125,10 @@ class Coordinator:
         self.failed: dict[int, int] = {}
         self._asked_since: float | None = None
         self._said_busy: list[int] = []
+
+    def go_on_from(self, record: Record) -> None:
+        """Decides after another coordinator, from the newest generation it published."""
+        self.generation, self.members = record.generation, list(record.members)
 
     def first(self, reports: Mapping[int, HostReport]) -> Decision:
         """Generation 0: every host's first workers, host by host."""

@@ -33,11 +33,10 @@ import json
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from hvd_resilient.launch.inplace.decide import HostReport
+from hvd_resilient.launch.inplace.decide import HostReport, Record
 from hvd_resilient.launch.inplace.liveness import Link, Listener
 
 logger = logging.getLogger(__name__)
@@ -47,20 +46,6 @@ CUT_OFF_S = 2.0
 STORE_TIMEOUT_S = 0.5
 """A follower's calls to the coordinator's store give up after this (a link that is down
 answers nothing): the loop goes on and counts the time towards `CUT_OFF_S`."""
-
-
-@dataclass(frozen=True)
-class Record:
-    """A decided generation."""
-
-    generation: int
-    members: list[int]
-    store: str
-    """``host:port`` of the store its process group forms on."""
-    agents: dict[int, str] = field(default_factory=dict)
-    """Every agent heard from, by host index: its store's address. Each agent keeps the
-    newest, so that when the coordinator's agent dies the next one (`successor`) is known to
-    all, and where to reach it."""
 
 
 def successor(record: Record, dead: int) -> int | None:
@@ -126,9 +111,7 @@ class Coordinating:
         return out
 
     def publish(self, record: Record) -> None:
-        self.store.set(f"gen/{record.generation}",
-                       json.dumps({"members": record.members, "store": record.store,
-                                   "agents": {str(h): a for h, a in record.agents.items()}}))
+        self.store.set(f"gen/{record.generation}", record.to_json())
         self.store.set("gen", str(record.generation))
 
     def fence(self, fence: Mapping[int, str]) -> None:
@@ -199,10 +182,8 @@ class Following:
         g = int(self.store.get("gen"))
         if g <= self.generation:
             return None
-        raw = json.loads(self.store.get(f"gen/{g}"))
         self.generation = g
-        self.last = Record(g, [int(m) for m in raw["members"]], str(raw["store"]),
-                           {int(h): str(a) for h, a in raw.get("agents", {}).items()})
+        self.last = Record.from_json(g, self.store.get(f"gen/{g}"))
         return self.last
 
     def fences(self, members: list[int]) -> dict[int, str]:

@@ -76,6 +76,14 @@ PASS_JOIN_S = 5.0
 """How long host 0's last output lines may take once its agent has exited."""
 
 
+def worker_command(words: list[str]) -> list[str]:
+    """The worker command after ``--``, as the fan-out and the agent both take it."""
+    cmd = words[1:] if words[:1] == ["--"] else words
+    if not cmd:
+        raise ConfigError("no worker command: put it after --, e.g. -- python train.py")
+    return cmd
+
+
 def agent_module() -> str:
     """The one place the test hook is read."""
     return os.environ.get(AGENT_MODULE_ENV) or AGENT_MODULE
@@ -127,8 +135,9 @@ def _say(line: str) -> None:
     print(f"hvd-resilient: {line}", file=sys.stderr, flush=True)
 
 
-class HostAgent:
-    """One host's agent (or the ssh running it), and the write end of its stdin."""
+class LaunchedAgent:
+    """One host's agent as this process started it (or the ssh running it), and the write
+    end of its stdin (the agent itself: `inplace.host_agent.HostAgent`)."""
 
     def __init__(self, index: int, host: str, cmd: list[str], *, local: bool,
                  capture: bool) -> None:
@@ -182,7 +191,7 @@ class HostAgent:
             return None
 
 
-def end(agents: Sequence[HostAgent]) -> None:
+def end(agents: Sequence[LaunchedAgent]) -> None:
     """Every agent's stdin closed (it ends its workers), then, after END_WAIT_S, whatever is
     left killed with its session (ssh with it: the remote agent sees EOF)."""
     for agent in agents:
@@ -228,7 +237,7 @@ class Fanout:
         self.a = a
         self.hosts = parse_hosts(a.hosts)
         self.env_line = environment_line([n for n in a.env_names.split(",") if n])
-        self.agents: list[HostAgent] = []
+        self.agents: list[LaunchedAgent] = []
         self.told: list[str] = []
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
@@ -247,12 +256,12 @@ class Fanout:
             end(self.agents)
             raise
 
-    def _start(self, index: int, coordinator: str | None) -> HostAgent:
+    def _start(self, index: int, coordinator: str | None) -> LaunchedAgent:
         host = self.hosts[index][0]
         local = is_local(host)
         cmd = agent_command(host, agent_args(self.a, index, self.hosts, coordinator),
                             local=local, ssh_port=self.a.ssh_port)
-        agent = HostAgent(index, host, cmd, local=local, capture=index == 0)
+        agent = LaunchedAgent(index, host, cmd, local=local, capture=index == 0)
         agent.send(self.env_line)
         agent.ready = True
         self.agents.append(agent)
@@ -291,7 +300,7 @@ class Fanout:
             return 1
         return self._wait(host0, out)
 
-    def _why_no_address(self, host0: HostAgent) -> str:
+    def _why_no_address(self, host0: LaunchedAgent) -> str:
         code = host0.wait(END_WAIT_S)
         if code is None:
             return "closed its output without printing its address"
@@ -299,7 +308,7 @@ class Fanout:
             return "could not be reached: ssh failed (exit 255)"
         return f"exited with code {exit_code(code)} before printing its address"
 
-    def _what_to_check(self, host0: HostAgent) -> str:
+    def _what_to_check(self, host0: LaunchedAgent) -> str:
         run = f"{sys.executable} -m {agent_module()}"
         if host0.local:
             return f"check its output above, and that `{run}` runs here"
@@ -307,7 +316,7 @@ class Fanout:
                 f"in without a password, and that `{run}` runs there in {os.getcwd()} (the "
                 "hosts share the filesystem)")
 
-    def _wait(self, host0: HostAgent, out: Passthrough) -> int:
+    def _wait(self, host0: LaunchedAgent, out: Passthrough) -> int:
         """Host 0's exit code, once every agent has ended; the others' own exits say nothing
         of the job (host 0 decides it), beyond an ssh that failed. With etcd no host decides
         alone: `_wait_agreed`."""
@@ -351,7 +360,7 @@ class Fanout:
             return 0
         return next((c for c in codes if c < 128), codes[0] if codes else 1)
 
-    def _watch(self, agent: HostAgent) -> None:
+    def _watch(self, agent: LaunchedAgent) -> None:
         if agent.proc.wait() == SSH_FAILED:
             _say(f"ssh to {agent.name} ended with 255: the connection was lost or ssh "
                  "failed; its workers are gone from the job")
@@ -389,10 +398,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
                    help="seconds the other agents have to end once host 0's has")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the worker command")
     a = p.parse_args(argv)
-    if a.cmd[:1] == ["--"]:
-        a.cmd = a.cmd[1:]
-    if not a.cmd:
-        raise ConfigError("no worker command: put it after --, e.g. -- python train.py")
+    a.cmd = worker_command(a.cmd)
     if a.job is None:
         a.job = uuid.uuid4().hex[:12]  # a relaunch starts from generation 0 again
     if not parse_hosts(a.hosts):

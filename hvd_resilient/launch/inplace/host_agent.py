@@ -27,7 +27,9 @@ from hvd_resilient.backends.inplace.membership import (
     MEMBER_ENV,
     MEMBER_STRIDE,
     PREFIX,
+    door_key,
     evict_key,
+    formed_key,
     gen_key,
     is_busy,
     ready_key,
@@ -56,6 +58,8 @@ class HostAgent:
         self.server = dist.TCPStore(address, 0, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=60))
         self.store = dist.PrefixStore(PREFIX, self.server)
+        self.ip = address
+        """This host's address as the other hosts reach it (its listeners bind there)."""
         self.address = f"{address}:{self.server.port}"
         self.alive: dict[int, subprocess.Popen[bytes]] = {}
         self.start_members: list[int] = []
@@ -140,6 +144,15 @@ class HostAgent:
         self.store.set(gen_key(g), json.dumps(members))
         self.store.set("gen", str(g))
         self.generation, self.members = g, members
+
+    def at_door(self, g: int, members: Sequence[int]) -> set[int]:
+        """Members waiting at generation ``g``'s door, not through it, when ``g``'s group
+        forms on this agent's store (the deciding agent's); else none it can see."""
+        key = store_key(g)
+        if self.store.check([key]) and self.store.get(key).decode() != self.address:
+            return set()
+        return {m for m in members if self.store.check([door_key(g, m)])
+                and not self.store.check([formed_key(g, m)])}
 
     def fence(self, members: Sequence[int], why: str) -> None:
         """Ends this host's workers among ``members`` (SIGKILL works on a stopped one too)."""
