@@ -24,6 +24,11 @@ FATAL_EXIT_CODE = 78
 does not fit the model). The Horovod driver stops the whole job when a worker exits with it,
 and the supervisor does not relaunch."""
 
+CUT_OFF_EXIT_CODE = 79
+"""An in-place host agent that stopped its own workers because it is cut off from the job's
+majority (or cannot reach the coordinator that follows the one it lost): the other hosts go
+on without it; when none does, the supervisor relaunches."""
+
 
 def one_line(e: BaseException | str, *, typed: bool = False, limit: int = 300) -> str:
     """What went wrong as one bounded line, for a log line or an event: the message's

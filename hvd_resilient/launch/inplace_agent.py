@@ -37,13 +37,18 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import NoReturn, TextIO
+from typing import NamedTuple, NoReturn, TextIO
 
 from hvd_resilient import log
 from hvd_resilient.cli_errors import exit_on_error
-from hvd_resilient.errors import ConfigError
+from hvd_resilient.errors import CUT_OFF_EXIT_CODE, ConfigError
 from hvd_resilient.launch.inplace.decide import Coordinator, Decision, Record
-from hvd_resilient.launch.inplace.embedded import Coordinating, Following, successor
+from hvd_resilient.launch.inplace.embedded import (
+    LEAVE_S,
+    Coordinating,
+    Following,
+    successor,
+)
 from hvd_resilient.launch.inplace.fanout import COORDINATOR_LINE, worker_command
 from hvd_resilient.launch.inplace.host_agent import HostAgent
 
@@ -52,8 +57,15 @@ POLL_S = 0.01
 START_S = 120.0
 """How long the coordinator waits for every host's first report before generation 0."""
 CONNECT_S = 10.0
-"""How long an agent tries to reach its coordinator's store (a successor's is just being set
-up when its followers come)."""
+"""How long an agent tries to reach host 0's coordinating store at the start."""
+
+
+class Left(NamedTuple):
+    """A coordinator this agent follows no more: the newest record it published, and whether
+    its agent was seen to exit (its connection closed) or only went silent."""
+
+    record: Record
+    exited: bool
 
 
 class Agent:
@@ -104,6 +116,15 @@ class Agent:
         now = time.monotonic()
         host.reap()
         reports = {**cluster.reports(self.hosts, now), self.host_index: host.report()}
+        if decide.generation >= 0:
+            quorum = cluster.quorum(reports, now)
+            if quorum is None:  # a successor still waiting for the others' reports
+                cluster.beat()
+                return None
+            if not quorum:
+                self._stop_here(f"cut off from the job's majority (hearing hosts "
+                                f"{sorted(reports)} of {sorted(cluster.settled().agents)}); "
+                                f"the others go on without this host")
         if decide.generation < 0:
             if len(reports) < self.hosts:
                 if now - self.began > START_S:
@@ -147,32 +168,48 @@ class Agent:
 
     # -- an agent that follows ------------------------------------------------------------
     def _follow(self, coordinator: str) -> int:
-        """Follows the coordinator; when its agent dies, the successor the newest record
-        names coordinates (this agent, or another that this one follows from then on)."""
+        """Follows the coordinator; when its agent exits or goes silent, the successor the
+        newest record names coordinates (this agent, or another that this one follows from
+        then on)."""
         self.host.start()
+        left: set[int] = set()
+        """Coordinators left behind: none of them is followed again."""
+        exited: set[int] = set()
+        """Of them, those seen to exit: they count in no majority."""
+        within = CONNECT_S
         while True:
-            outcome = self._follow_one(coordinator)
+            outcome = self._follow_one(coordinator, within)
             if isinstance(outcome, int):
                 return outcome
-            dead = next((h for h, a in outcome.agents.items() if a == coordinator), None)
-            nxt = successor(outcome, dead) if dead is not None else None
-            if nxt is None:
-                self._stop_here(f"the coordinator's agent ({coordinator}) is gone and the "
-                                f"newest generation names no agent after it")
-            logger.warning("the coordinator's agent (host %s) is gone: host %d coordinates "
-                           "from generation %d on", dead, nxt, outcome.generation)
+            record = outcome.record
+            old = next((h for h, a in record.agents.items() if a == coordinator), None)
+            if old is not None:
+                left.add(old)
+                if outcome.exited:
+                    exited.add(old)
+            nxt = successor(record, left)
+            if old is None or nxt is None:
+                self._stop_here(f"the coordinator ({coordinator}) is gone and the newest "
+                                f"generation names no agent after it")
+            logger.warning("the coordinator's agent (host %s) %s: host %d coordinates from "
+                           "generation %d on", old, "is gone" if outcome.exited else
+                           "is not heard from", nxt, record.generation)
             if nxt == self.host_index:
-                return self._take_over(outcome)
-            coordinator = outcome.agents[nxt]
+                return self._take_over(record, left, exited)
+            coordinator, within = record.agents[nxt], LEAVE_S
 
-    def _take_over(self, record: Record) -> int:
-        """Coordinates from ``record``'s generation on, on this agent's own store."""
-        self.cluster = Coordinating(self.host.server, self.host_index, self.host.ip)
+    def _take_over(self, record: Record, left: set[int], exited: set[int]) -> int:
+        """Coordinates from ``record``'s generation on, on this agent's own store, once it
+        hears a majority of that generation's agents (`Coordinating.quorum`)."""
+        self.cluster = Coordinating(self.host.server, self.host_index, self.host.ip,
+                                    after=record, left=left, exited=exited,
+                                    now=time.monotonic())
         self.decide.go_on_from(record)
         return self._decide_until_the_end()
 
     def _stop_here(self, why: str) -> NoReturn:
-        """Ends this host's workers and the agent; never returns (see `_follow_one`)."""
+        """Ends this host's workers and the agent (`CUT_OFF_EXIT_CODE`: the others may go on,
+        and when none does the job is relaunched); never returns (see `_follow_one`)."""
         logger.error("%s: ending this host's workers", why)
         self.host.end_all()
         self.host.finish()
@@ -180,16 +217,16 @@ class Agent:
         # interpreter's exit would abort on it (std::terminate)
         logging.shutdown()
         sys.stdout.flush()
-        os._exit(1)
+        os._exit(CUT_OFF_EXIT_CODE)
 
-    def _follow_one(self, coordinator: str) -> int | Record:
-        """Follows one coordinator until the job's end (its code) or its agent's death (the
-        newest record, which names who comes next). Heard on a thread of its own: a store
-        call over a link that is down blocks until the link comes back (torch's store
-        timeout bounds the wait for a key, not a reply that never arrives), and this loop must
-        still end the workers of a host cut off for `CUT_OFF_S`."""
+    def _follow_one(self, coordinator: str, within: float) -> int | Left:
+        """Follows one coordinator until the job's end (its code), or until it exits or is not
+        heard for `CUT_OFF_S` (the newest record, which names who comes next). Heard on a
+        thread of its own: a store call over a link that is down blocks until the link comes
+        back (torch's store timeout bounds the wait for a key, not a reply that never
+        arrives), and this loop must still leave a coordinator that went silent."""
         host = self.host
-        cluster = self._connect(coordinator)
+        cluster = self._connect(coordinator, within)
         lock = threading.Lock()
         ended: list[int] = []
         gone = threading.Event()
@@ -205,30 +242,37 @@ class Agent:
                 hearing.join(1.0)  # its acknowledgement sent: the coordinator may exit
                 return ended[0]
             now = time.monotonic()
-            if cluster.link.closed():  # its agent died: the next one takes over
+            exited = cluster.link.closed()
+            if exited or not cluster.heard(now):  # the next one takes over
                 with lock:
                     gone.set()  # the old hearing thread acts on nothing from now on
                 if cluster.last is not None and cluster.last.agents:
-                    return cluster.last
-                self._stop_here(f"the coordinator's agent ({coordinator}) is gone")
-            if not cluster.heard(now):
-                self._stop_here(f"cut off from the coordinator ({coordinator}) for "
-                                f"{now - cluster.beat.changed_at:.1f}s; the others go on "
-                                f"without this host")
+                    return Left(cluster.last, exited)
+                self._stop_here(f"the coordinator ({coordinator}) is "
+                                f"{'gone' if exited else 'not heard from'}")
             time.sleep(POLL_S)
 
-    def _connect(self, coordinator: str) -> Following:
-        """The coordinator's store, waited for a while (a successor sets itself up just as
-        its followers come)."""
-        deadline = time.monotonic() + CONNECT_S
-        while True:
-            try:
-                return Following(coordinator, self.host_index, time.monotonic(),
-                                 self.host.address)
-            except Exception as e:
-                if time.monotonic() > deadline:
-                    self._stop_here(f"the coordinator ({coordinator}) cannot be reached: {e}")
-                time.sleep(0.05)
+    def _connect(self, coordinator: str, within: float) -> Following:
+        """The coordinator's store, tried for ``within`` seconds (a successor sets itself up
+        just as its followers come). Bounded by a timer too: connecting across a link that is
+        down may block past any timeout, and a host that cannot reach the successor is the
+        one cut off."""
+        why = f"the coordinator ({coordinator}) cannot be reached within {within:g}s"
+        watchdog = threading.Timer(within + 0.2, self._stop_here, args=(why,))
+        watchdog.daemon = True
+        watchdog.start()
+        deadline = time.monotonic() + within
+        try:
+            while True:
+                try:
+                    return Following(coordinator, self.host_index, time.monotonic(),
+                                     self.host.address)
+                except Exception as e:
+                    if time.monotonic() > deadline:
+                        self._stop_here(f"{why}: {e}")
+                    time.sleep(0.05)
+        finally:
+            watchdog.cancel()
 
     def _hear(self, cluster: Following, lock: threading.Lock, ended: list[int],
               gone: threading.Event) -> None:

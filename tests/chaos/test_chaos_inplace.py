@@ -228,7 +228,8 @@ def _alive(pids: list[int]) -> list[int]:
 def test_a_host_cut_off_stops_its_workers_and_the_others_go_on(chaos):
     """Link down: the coordinator stops hearing the host (1 s), the survivors' heartbeats find
     its members silent, and the next generation goes on without them; the cut-off agent hears
-    no beat for 2 s and ends its own workers, which never write after the fault."""
+    no beat for 1.4 s, cannot reach the successor either, and ends its own workers, which
+    never write after the fault."""
     c = chaos.cluster(3)
     run = InplaceRun(chaos, c, "inplace-partition")
     run.wait_commits(3)
@@ -245,6 +246,38 @@ def test_a_host_cut_off_stops_its_workers_and_the_others_go_on(chaos):
     commits = [e for e in run.of("commit") if e["ts"] > t + 0.5]  # one may be in flight
     assert commits and all(e["size"] == 4 for e in commits), commits[:3]
     print(json.dumps({"scenario": "partition", "first_commit_s": run.first_commit_after(t),
+                      "cut_off_stopped_s": round(stopped_at - t, 3)}))
+
+
+@pytest.mark.ci_chaos
+def test_the_coordinating_host_cut_off_stops_itself_and_the_majority_goes_on(chaos):
+    """Host 0's link down: it holds rank 0, the coordinating agent and the generation's store.
+    Hearing one host of three it stops its own workers (1 s); the others stop hearing its beat
+    (1.4 s), host 1's agent hears host 2's, a majority, and coordinates from the newest record
+    on its own store: the survivors go on in their processes, and the cut-off side writes
+    nothing after the fault."""
+    c = chaos.cluster(3)
+    run = InplaceRun(chaos, c, "inplace-partition-coordinator")
+    run.wait_commits(3)
+    host = c.hosts[0]
+    assert run.host_of_rank0() == host
+    cut_pids = [e["pid"] for e in run.of("start") if e["pid"] in set(c.pids(host))]
+    t = c.partition(host)
+    wait_for(lambda: not _alive(cut_pids), 10, "the cut-off side's workers ended", run.job)
+    stopped_at = time.time()
+    wait_for(lambda: any(e["size"] == 4 for e in run.of("commit") if e["ts"] > t), 30,
+             "a commit at 4 without the cut-off host", run.job)
+    c.heal(host)
+    assert run.job.wait(240) == 0, run.job.output()[-4000:]
+    out = run.job.output()
+    assert "cut off from the job's majority" in out, out[-4000:]
+    assert "host 1 coordinates from generation" in out, out[-4000:]
+    old_world = [e for e in run.events() if e["ts"] > t + 0.5 and e.get("size") == 6
+                 and e["event"] in ("commit", "memory_commit", "checkpoint_saved")]
+    assert not old_world, f"the old world wrote after the fault: {old_world}"
+    assert_survivors_went_on(run, 4)
+    print(json.dumps({"scenario": "partition-coordinator",
+                      "first_commit_s": run.first_commit_after(t),
                       "cut_off_stopped_s": round(stopped_at - t, 3)}))
 
 

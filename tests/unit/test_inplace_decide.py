@@ -147,5 +147,27 @@ def test_every_survivor_names_the_same_successor_from_the_newest_record():
     from hvd_resilient.launch.inplace.embedded import successor
 
     record = Record(3, [H1, 2 * MEMBER_STRIDE], "a:1", {0: "a:1", 2: "c:1", 1: "b:1"})
-    assert successor(record, 0) == 1 and successor(record, 1) == 0
-    assert successor(Record(3, [0], "a:1", {0: "a:1"}), 0) is None
+    assert successor(record, {0}) == 1 and successor(record, {1}) == 0
+    assert successor(record, {0, 1}) == 2  # the first successor went too
+    assert successor(Record(3, [0], "a:1", {0: "a:1"}), {0}) is None
+
+
+def test_of_two_sides_of_any_cut_at_most_one_has_a_quorum():
+    """Every split of 1..5 hosts into two sides: never both go on; with no host known to
+    have exited, exactly one goes on unless neither holds half (then the job relaunches)."""
+    from itertools import combinations
+
+    from hvd_resilient.launch.inplace.decide import has_quorum
+
+    for n in range(1, 6):
+        base = set(range(n))
+        for k in range(n + 1):
+            for side in combinations(sorted(base), k):
+                a, b = set(side), base - set(side)
+                assert not (has_quorum(a, base) and has_quorum(b, base)), (a, b)
+                if 2 * len(a) != len(base) or n == 0:
+                    continue
+                assert has_quorum(a, base) != has_quorum(b, base), (a, b)  # a tie: host 0's
+    assert has_quorum({0}, {0, 1}) and not has_quorum({1}, {0, 1})
+    assert has_quorum({1, 2}, {0, 1, 2}) and not has_quorum({0}, {0, 1, 2})
+    assert has_quorum({1}, {1})  # the others exited (their connections closed)

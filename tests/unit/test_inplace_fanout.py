@@ -200,13 +200,15 @@ def test_a_remote_agent_runs_over_ssh_in_this_directory_every_word_quoted(monkey
     monkeypatch.delenv("PYTHONPATH", raising=False)
     args = ["--nproc", "2", "--", "python", "t.py", "$HOME"]
     cmd = fanout.agent_command("h2", args, local=False, ssh_port=2222)
-    assert cmd[:6] == ["/usr/bin/ssh", "-p", "2222", "-o", "BatchMode=yes", "h2"]
-    assert shlex.split(cmd[6]) == ["cd", str(odd), "&&", "exec", sys.executable, "-m",
+    n = 6 + len(fanout.SSH_ALIVE)
+    assert cmd[:n] == ["/usr/bin/ssh", "-p", "2222", "-o", "BatchMode=yes", *fanout.SSH_ALIVE,
+                       "h2"]
+    assert shlex.split(cmd[n]) == ["cd", str(odd), "&&", "exec", sys.executable, "-m",
                                    fanout.AGENT_MODULE, *args]
     assert fanout.agent_command("h2", args, local=True, ssh_port=22) == [
         sys.executable, "-m", fanout.AGENT_MODULE, *args]
     monkeypatch.setenv("PYTHONPATH", "/src dir")  # the agent's own imports: before its stdin
-    assert shlex.split(fanout.agent_command("h2", args, local=False, ssh_port=22)[6])[3:6] == [
+    assert shlex.split(fanout.agent_command("h2", args, local=False, ssh_port=22)[n])[3:6] == [
         "exec", "env", "PYTHONPATH=/src dir"]
 
 

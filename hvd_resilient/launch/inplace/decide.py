@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,6 +93,20 @@ class Record:
         d = json.loads(raw)
         return cls(generation, [int(m) for m in d["members"]], str(d["store"]),
                    {int(h): str(a) for h, a in d.get("agents", {}).items()})
+
+
+def has_quorum(heard: Collection[int], base: Collection[int]) -> bool:
+    """Whether the hosts ``heard`` may go on deciding for the job whose last settled generation
+    had the agents ``base`` (those known to have exited left out): more than half of them, or
+    exactly half with the lowest among them. Two sides of a cut have disjoint hosts, so at most
+    one of them passes, and a tie goes the same way on both sides; the side that fails stops
+    itself instead of forming a world of its own. Without any agent to count (every other one
+    exited) the one that is left goes on."""
+    base = set(base)
+    mine = base & set(heard)
+    if not base:
+        return True
+    return 2 * len(mine) > len(base) or (2 * len(mine) == len(base) and min(base) in mine)
 
 
 @dataclass

@@ -27,8 +27,8 @@ long as it runs:
 
 The job's exit code is host 0's agent's when it ends on its own; once it has, the others get
 `--end-grace` seconds to end, then their stdin is closed. Host 0's agent killed (or its ssh
-ending 255): the next host's agent coordinates (`inplace.embedded`), and the job's code is the
-one the others end with.
+ending 255, or its agent stopping itself cut off from the others, exit 79): the next host's
+agent coordinates (`inplace.embedded`), and the job's code is the one the others end with.
 
 With `--etcd` no agent coordinates: every agent gets the etcd endpoints and a fresh folder of
 keys for this launch (`--job`), host 0 still starts first (its line says it is up), and any
@@ -55,7 +55,7 @@ from types import FrameType
 from typing import IO
 
 from hvd_resilient.cli_errors import exit_on_error
-from hvd_resilient.errors import ConfigError
+from hvd_resilient.errors import CUT_OFF_EXIT_CODE, ConfigError
 from hvd_resilient.launch.executables import require
 from hvd_resilient.launch.hosts import is_local, parse_hosts
 
@@ -70,6 +70,9 @@ CARRIED = ("PYTHONPATH", "PATH", "VIRTUAL_ENV")
 """Sent to every agent beyond the launch's own names: the same interpreter and packages."""
 STOPS = {signal.SIGTERM: "TERM", signal.SIGINT: "INT"}
 SSH_FAILED = 255
+SSH_ALIVE = ("-o", "ServerAliveInterval=3", "-o", "ServerAliveCountMax=3")
+"""A host whose link is down (its agent's exit cannot arrive) ends its ssh with 255 within about
+10 s, instead of after TCP's own timeouts (many minutes), so the job's code is known."""
 END_WAIT_S = 10.0
 """How long an agent whose stdin was closed has to end its workers before it is killed."""
 PASS_JOIN_S = 5.0
@@ -117,7 +120,7 @@ def agent_command(host: str, args: list[str], *, local: bool, ssh_port: int) -> 
     remote = (f"cd {shlex.quote(os.getcwd())} && exec "
               f"{shlex.join([*(['env', f'PYTHONPATH={path}'] if path else []), *here])}")
     return [require("ssh", "install an ssh client (apt-get install openssh-client)"),
-            "-p", str(ssh_port), "-o", "BatchMode=yes", host, remote]
+            "-p", str(ssh_port), "-o", "BatchMode=yes", *SSH_ALIVE, host, remote]
 
 
 def environment_line(names: Sequence[str]) -> bytes:
@@ -327,10 +330,14 @@ class Fanout:
         for w in watchers:
             w.start()
         code = host0.proc.wait()
-        if len(self.agents) > 1 and (code < 0 or (not host0.local and code == SSH_FAILED)):
-            # its agent died (or its ssh): the others' agents carry on under the next one
-            _say(f"{host0.name}'s agent is gone ({'ssh ' if not host0.local else ''}exit "
-                 f"{exit_code(code)}): the next host's agent coordinates, the job goes on")
+        if len(self.agents) > 1 and (code < 0 or code == CUT_OFF_EXIT_CODE
+                                     or (not host0.local and code == SSH_FAILED)):
+            # its agent died, stopped itself cut off, or its ssh ended: the others' agents
+            # carry on under the next one (or stop too, when they are no majority)
+            how = ("stopped itself, cut off from the others" if code == CUT_OFF_EXIT_CODE
+                   else f"is gone ({'ssh ' if not host0.local else ''}exit {exit_code(code)})")
+            _say(f"{host0.name}'s agent {how}: the next host's agent coordinates, the job goes "
+                 "on")
             return self._wait_agreed(out, quiet=True)
         out.thread.join(timeout=PASS_JOIN_S)
         self._let_others_end()

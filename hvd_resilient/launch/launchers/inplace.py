@@ -40,8 +40,9 @@ class InplaceOptions:
     goes to one of them in the generation that answers the fault, without an import."""
     etcd: str = setting("", metavar="URL,...")
     """Inplace with --hosts: agree on the generations in etcd (its client URLs, e.g.
-    http://h1:2379,http://h2:2379,http://h3:2379): no host whose loss ends the job (default:
-    the first host's agent coordinates, and its loss relaunches the job)."""
+    http://h1:2379,http://h2:2379,http://h3:2379), which rests on no clock margin (default: the
+    first host's agent coordinates, and when it is lost or cut off a majority of the hosts goes
+    on under the next one)."""
 
 
 def inplace_command(nproc: int, min_np: int, train_cmd: list[str], *,
