@@ -17,6 +17,9 @@ checkpoint every 8, `--step-time 0.05`). Once a step >= 20 has ended, and after 
 - `partition`: host 2's link down. `cut-off side stopped`: when host 2's workers were all gone
   (psutil, polled), while still cut off; the link is healed once they are and the others have
   stepped at 4 (or `--stop-window` s after the fault), so the job can finish;
+- `partition_coordinator`: host 0's link down (it coordinates, holds rank 0 and the
+  generation's store): it stops itself without a majority, host 1's agent coordinates, and the
+  other two go on in place; healed as `partition` is;
 - `freeze_host`: every process on host 2 SIGSTOPped (not its sshd); once the others have
   stepped at 4 the frozen processes are SIGKILLed, so the job can finish;
 - `etcd_kill_host0` / `etcd_kill_host`: with `--etcd` (a 3-member etcd, one member in each
@@ -86,6 +89,7 @@ SCENARIOS: dict[str, tuple[int, int]] = {
     "kill_host": (1, NP - SLOTS),
     "kill_coordinator_host": (0, NP - SLOTS),
     "partition": (2, NP - SLOTS),
+    "partition_coordinator": (0, NP - SLOTS),
     "freeze_host": (2, NP - SLOTS),
     # with --etcd (a member in each host's namespace): host 0 holds rank 0, most likely the
     # leading agent and the generation's store, and an etcd member; all lost at once
@@ -93,9 +97,11 @@ SCENARIOS: dict[str, tuple[int, int]] = {
     "etcd_kill_host": (1, NP - SLOTS),
 }
 TARGETS = {"kill_worker": 0.5, "kill_host": 1.5, "kill_coordinator_host": 3.0,
-           "partition": 2.0, "freeze_host": 2.5, "etcd_kill_host0": 1.5, "etcd_kill_host": 1.5}
+           "partition": 2.0, "partition_coordinator": 2.0, "freeze_host": 2.5,
+           "etcd_kill_host0": 1.5, "etcd_kill_host": 1.5}
 """Seconds, fault -> first step in the recovered world (the issue's targets)."""
 CUT_OFF_TARGET = 3.0
+PARTITIONS = ("partition", "partition_coordinator")
 """partition: the cut-off side's workers all gone within this (s)."""
 
 
@@ -201,7 +207,7 @@ def _fault_and_measure(chaos: Chaos, scenario: str, name: str, a: argparse.Names
         t0, killed = c.kill_host(host)
         out["killed"] = len(killed)
         lost = on_host
-    elif scenario == "partition":
+    elif scenario in PARTITIONS:
         t0 = c.partition(host)
         lost = on_host
     else:  # freeze_host
@@ -209,7 +215,7 @@ def _fault_and_measure(chaos: Chaos, scenario: str, name: str, a: argparse.Names
         out["frozen"] = len(frozen)
         lost = on_host
     out["fault_at_s"] = round(t0 - t_start, 1)  # after the launch
-    watch = GoneWatch(on_host) if scenario == "partition" else None  # the cut-off side
+    watch = GoneWatch(on_host) if scenario in PARTITIONS else None  # the cut-off side
 
     def recovered_step() -> dict[str, Any] | None:
         after = [s for s in steps(run.run) if s["t"] > t0 and s["pid"] not in lost
@@ -218,13 +224,13 @@ def _fault_and_measure(chaos: Chaos, scenario: str, name: str, a: argparse.Names
 
     give_up = min(end, t0 + a.recover_timeout)
     recovered: dict[str, Any] | None = None
-    undone = scenario in ("partition", "freeze_host")  # the fault still to be undone
+    undone = scenario in (*PARTITIONS, "freeze_host")  # the fault still to be undone
     while time.time() < give_up:
         if watch is not None:
             watch.poll()
         if recovered is None:
             recovered = recovered_step()
-        if undone and scenario == "partition" and (
+        if undone and scenario in PARTITIONS and (
                 (recovered is not None and watch is not None and watch.at is not None)
                 or time.time() > t0 + a.stop_window):
             out["healed_s"] = round(c.heal(host) - t0, 3)
@@ -264,7 +270,7 @@ def _fault_and_measure(chaos: Chaos, scenario: str, name: str, a: argparse.Names
     after = {s["pid"] for s in rows if s["t"] > t0 and s["size"] == new_size}
     out["kept_pids"] = survivors <= after and not (after - first)
     out["starts"] = sum(e["event"] == "start" for e in evs)
-    if scenario == "partition":  # the chaos test's check: the old world wrote nothing
+    if scenario in PARTITIONS:  # the chaos test's check: the old world wrote nothing
         out["cut_off_wrote"] = [[e["event"], round(e["ts"] - t0, 3)] for e in evs
                                 if e["ts"] > t0 + 0.5 and e.get("size") == NP and e["event"]
                                 in ("commit", "memory_commit", "checkpoint_saved")]
@@ -321,7 +327,7 @@ def table(summary: dict[str, dict[str, Any]]) -> str:
         d = s.get("redone")
         stop = s.get("cut_off_stopped_s")
         stop_cell = "-"
-        if sc == "partition":
+        if sc in PARTITIONS:
             stop_cell = f"{cell(stop)}, target {target(stop, CUT_OFF_TARGET)}"
         if s.get("cut_off_stopped_s_never"):
             stop_cell += f", never in {s['cut_off_stopped_s_never']}"
