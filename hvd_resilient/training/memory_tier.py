@@ -189,6 +189,9 @@ class MemoryCommits:
         meta = {"epoch": self.state.epoch, "world_size": self.backend.size()}
         if self.config.checkpoint.lease_epoch:  # which job of the run wrote it
             meta["lease_epoch"] = self.config.checkpoint.lease_epoch
+        if self.backend.numbers_generations:  # and which of its worlds (in place); no
+            meta["generation"] = self.backend.generation()  # refusal needed: a commit is
+            # a collective of every rank, so a world cut off from the others commits nothing
         try:
             pending = folder.begin(step, state, meta)
         except TierFull as e:

@@ -50,6 +50,7 @@ class _State:
 
 class _Backend:
     resume_on_every_rank = False
+    numbers_generations = False
 
     def __init__(self) -> None:
         self.gathers = 0
@@ -175,3 +176,26 @@ def test_close_does_not_wait_for_a_thread_that_never_ends(tmp_path) -> None:
     stop.set()
     assert tier._thread is None
     assert "still being finished" in logged[0].getMessage()
+
+
+def test_an_in_place_world_stamps_its_generation_on_every_memory_segment(tmp_path) -> None:
+    """In place, a segment says which world wrote it (beside the job's lease epoch), as a
+    durable checkpoint's fence does; a backend that does not number its worlds writes none."""
+    seen: list[dict[str, Any]] = []
+
+    class Folder:
+        def begin(self, step: int, state: Any, meta: dict[str, Any]) -> Any:
+            seen.append(meta)
+            raise OSError("kept in the process (the test stops here)")
+
+    class Generations(_Backend):
+        numbers_generations = True
+
+        def generation(self) -> int:
+            return 3
+
+    for backend, want in ((Generations(), 3), (_Backend(), None)):
+        tier = _tier(tmp_path)
+        tier.backend = backend  # type: ignore[assignment]
+        tier._write(Folder(), 7, {})  # type: ignore[arg-type]
+        assert seen[-1].get("generation") == want, seen
