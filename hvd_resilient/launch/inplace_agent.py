@@ -176,9 +176,9 @@ class Agent:
         """Coordinators left behind: none of them is followed again."""
         exited: set[int] = set()
         """Of them, those seen to exit: they count in no majority."""
-        within = CONNECT_S
+        within, record = CONNECT_S, None
         while True:
-            outcome = self._follow_one(coordinator, within)
+            outcome = self._follow_one(coordinator, within, record)
             if isinstance(outcome, int):
                 return outcome
             record = outcome.record
@@ -219,14 +219,16 @@ class Agent:
         sys.stdout.flush()
         os._exit(CUT_OFF_EXIT_CODE)
 
-    def _follow_one(self, coordinator: str, within: float) -> int | Left:
+    def _follow_one(self, coordinator: str, within: float, record: Record | None) -> int | Left:
         """Follows one coordinator until the job's end (its code), or until it exits or is not
-        heard for `CUT_OFF_S` (the newest record, which names who comes next). Heard on a
+        heard for `CUT_OFF_S` (the newest record, which names who comes next: ``record``, the
+        one the coordinator before it published, until this one publishes). Heard on a
         thread of its own: a store call over a link that is down blocks until the link comes
         back (torch's store timeout bounds the wait for a key, not a reply that never
         arrives), and this loop must still leave a coordinator that went silent."""
         host = self.host
         cluster = self._connect(coordinator, within)
+        cluster.last = record  # a successor that goes before it decides: the next one
         lock = threading.Lock()
         ended: list[int] = []
         gone = threading.Event()
