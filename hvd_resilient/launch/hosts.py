@@ -50,6 +50,18 @@ def is_local(host: str) -> bool:
     return bool(addrs) and addrs <= local
 
 
+def is_loopback(host: str) -> bool:
+    """True for a name or address that means this machine to whoever uses it (127.x, ::1,
+    localhost): another host given it reaches itself, not this one."""
+    import ipaddress
+
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False  # not resolvable here: the reachability probe says so
+    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+
+
 def check_hosts_reachable(hosts: list[tuple[str, int]], ssh_port: int) -> None:
     """The launcher would hang or print pages of ssh errors; one line before it starts."""
     from hvd_resilient.discovery.health import probe_hosts

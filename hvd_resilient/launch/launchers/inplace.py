@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from hvd_resilient.errors import ConfigError
-from hvd_resilient.launch.hosts import check_hosts_reachable, hosts_arg, parse_hosts
+from hvd_resilient.launch.hosts import check_hosts_reachable, hosts_arg, is_loopback, parse_hosts
 from hvd_resilient.launch.run_options import RunOptions
 from hvd_resilient.settings import setting
 
@@ -86,7 +86,13 @@ class Inplace:
         if self.own.standby < 0:
             raise ConfigError(f"run: --standby must be >= 0, got {self.own.standby}")
         if opts.hosts:
-            slots = sum(n for _, n in parse_hosts(opts.hosts))
+            hosts = parse_hosts(opts.hosts)
+            slots = sum(n for _, n in hosts)
+            loopback = [h for h, _ in hosts if is_loopback(h)] if len(hosts) > 1 else []
+            if loopback:  # every agent tells the others where its store is by this name
+                raise ConfigError(f"run: --hosts {opts.hosts}: {', '.join(loopback)} means "
+                                  "each host itself; name this machine by an address the "
+                                  "other hosts reach")
             if opts.np > slots:
                 raise ConfigError(f"run: --np {opts.np} is more than the {slots} slots in "
                                   f"--hosts {opts.hosts}")
