@@ -192,8 +192,9 @@ class Agent:
                 self._stop_here(f"the coordinator ({coordinator}) is gone and the newest "
                                 f"generation names no agent after it")
             logger.warning("the coordinator's agent (host %s) %s: host %d coordinates from "
-                           "generation %d on", old, "is gone" if outcome.exited else
-                           "is not heard from", nxt, record.generation)
+                           "generation %d on, once it hears a majority", old,
+                           "is gone" if outcome.exited else "is not heard from", nxt,
+                           record.generation)
             if nxt == self.host_index:
                 return self._take_over(record, left, exited)
             coordinator, within = record.agents[nxt], LEAVE_S

@@ -281,6 +281,32 @@ def test_the_coordinating_host_cut_off_stops_itself_and_the_majority_goes_on(cha
                       "cut_off_stopped_s": round(stopped_at - t, 3)}))
 
 
+def test_two_hosts_cut_apart_the_half_holding_host_0_goes_on_and_the_other_stops(chaos):
+    """Two hosts, the link between them down: each side is half of the last generation. The
+    tie goes to the half holding the lowest host on both sides alike, so host 0's agent (the
+    coordinator) trains on with its two workers and host 1's agent stops its own; never two
+    worlds, never none."""
+    c = chaos.cluster(2)
+    run = InplaceRun(chaos, c, "inplace-two-hosts-cut")
+    run.wait_commits(3)
+    host = c.hosts[1]
+    cut_pids = [e["pid"] for e in run.of("start") if e["pid"] in set(c.pids(host))]
+    assert len(cut_pids) == 2, cut_pids
+    t = c.partition(host)
+    wait_for(lambda: not _alive(cut_pids), 10, "host 1's workers ended", run.job)
+    wait_for(lambda: any(e["size"] == 2 for e in run.of("commit") if e["ts"] > t), 30,
+             "a commit at 2 on host 0", run.job)
+    c.heal(host)
+    assert run.job.wait(240) == 0, run.job.output()[-4000:]
+    out = run.job.output()
+    assert "cut off from the job's majority (hearing hosts [1] of [0, 1])" in out, out[-4000:]
+    commits = [e for e in run.of("commit") if e["ts"] > t + 0.5]
+    assert commits and all(e["size"] == 2 for e in commits), commits[:3]
+    assert len(run.of("start")) == 4
+    done = {e["rank"]: e for e in run.of("done") if "digests" in e}
+    assert sorted(done) == [0, 1] and done[0]["digests"] == done[1]["digests"], done
+
+
 def test_a_frozen_host_is_evicted_and_the_others_go_on(chaos):
     """Every process of host 2 SIGSTOPped (a paused VM: its kernel still ACKs, nothing hangs
     up): the survivors' heartbeats find its members silent (1.5 s), the coordinator stops
