@@ -417,7 +417,8 @@ def _place_under_srun(a: argparse.Namespace, env: Mapping[str, str]) -> None:
 @exit_on_error
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse(sys.argv[1:] if argv is None else argv)
-    log.setup(rank_fn=lambda: 0)  # the agent speaks as rank 0 does
+    # the agent speaks as rank 0 does (INFO), and says which host's it is
+    log.setup(rank_fn=lambda: 0, who=f"agent h{a.host_index}")
     if a.etcd is not None:
         return _run_agreed(a)
     agent = Agent(a.cmd, a.nproc, a.min_np, a.last_call, a.address, a.replace, a.standby,

@@ -192,3 +192,18 @@ def test_a_log_line_while_the_backend_has_no_rank_is_written_and_raises_nothing(
         log.setup(rank_fn=lambda: 0)
     assert "[rank ?] WARNING hvd_resilient.test: pruned checkpoints at steps [46]" in \
         capsys.readouterr().err
+
+
+def test_a_host_agent_says_which_host_it_is_not_a_rank(capsys):
+    """Every in-place host agent logs at rank 0's level; `[rank 0]` on host 1's agent's lines
+    (its cut-off, its takeover) sent a reader to the wrong host."""
+    import logging
+
+    from hvd_resilient import log
+
+    log.setup(rank_fn=lambda: 0, who="agent h1")
+    try:
+        logging.getLogger("hvd_resilient.test").info("host 1 coordinates from generation 3 on")
+    finally:
+        log.setup(rank_fn=lambda: 0)
+    assert "[agent h1] INFO hvd_resilient.test: host 1 coordinates" in capsys.readouterr().err
