@@ -45,6 +45,7 @@ from hvd_resilient.errors import CUT_OFF_EXIT_CODE, ConfigError
 from hvd_resilient.launch.inplace.decide import Coordinator, Decision, Record
 from hvd_resilient.launch.inplace.embedded import (
     LEAVE_S,
+    RECHECK_S,
     Coordinating,
     Following,
     successor,
@@ -246,6 +247,10 @@ class Agent:
                 return ended[0]
             now = time.monotonic()
             exited = cluster.link.closed()
+            if not exited and not cluster.heard(now):  # this loop may have woken first
+                cluster.read.clear()
+                cluster.read.wait(RECHECK_S)
+                now = time.monotonic()
             if exited or not cluster.heard(now):  # the next one takes over
                 with lock:
                     gone.set()  # the old hearing thread acts on nothing from now on

@@ -3,6 +3,7 @@ options, and the agent's membership decisions over real (tiny, torch-free) worke
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import sys
@@ -260,6 +261,66 @@ def test_a_member_that_dies_after_the_door_costs_the_others_no_timeout(tmp_path)
         proc.wait()
     assert out.split() == ["1", "1", "300"], out
     assert store.check([membership.formed_key(1, 0)])
+
+
+STORE_HOST = """
+import sys, time, torch.distributed as dist
+s = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+print(s.port, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_member_at_the_door_of_a_store_that_dies_asks_its_own_agent_for_the_next():
+    """Generation 1 forms on another host's agent's store (the coordinator's), and that host
+    dies while member 0 waits at the door: the member does not die of the broken connection; it
+    asks its own agent for the next generation, and enters the one the next coordinator
+    publishes (here: on its own agent's store)."""
+    import subprocess
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = dist.PrefixStore(membership.PREFIX, server)
+    remote = subprocess.Popen([sys.executable, "-c", STORE_HOST], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert remote.stdout is not None
+        port = int(remote.stdout.readline())
+        store.set("joins", "0")
+        store.set(membership.gen_key(1), json.dumps([0, 1]))
+        store.set(membership.store_key(1), f"127.0.0.1:{port}")
+        store.set("gen", "1")
+        env = {membership.AGENT_ENV: f"127.0.0.1:{server.port}", membership.MEMBER_ENV: "0"}
+        m = membership.Membership(10.0, env)
+        errors: list[BaseException] = []
+
+        def enter() -> None:
+            try:
+                m.enter(0, datetime.timedelta(seconds=30))
+            except BaseException as e:  # noqa: BLE001 - the test reports it
+                errors.append(e)
+
+        waiter = threading.Thread(target=enter)
+        waiter.start()
+        far = dist.PrefixStore(membership.PREFIX, dist.TCPStore(
+            "127.0.0.1", port, is_master=False, wait_for_workers=False))
+        far.wait([membership.door_key(1, 0)], datetime.timedelta(seconds=10))
+        remote.kill()  # member 1 never comes, and the store goes with its host
+        remote.wait()
+        deadline = time.monotonic() + 10
+        while not store.check([membership.want_key(0)]):
+            assert waiter.is_alive() and time.monotonic() < deadline, errors
+            time.sleep(0.01)
+        assert store.get(membership.want_key(0)) == b"1"
+        store.set(membership.gen_key(2), json.dumps([0]))  # the next coordinator's decision
+        store.set("gen", "2")
+        waiter.join(20)
+        assert not waiter.is_alive() and not errors, errors
+        assert m.generation == 2 and dist.get_world_size() == 1
+    finally:
+        remote.kill()
+        remote.wait()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def test_under_srun_each_agent_finds_its_place(monkeypatch):

@@ -318,8 +318,18 @@ class Membership:
         `Fenced` and TimeoutError pass through)."""
         while True:
             g = self.wait_beyond(after, joining=joining)
-            if self._at_door(g) and self._form(g, pg_timeout):
-                break
+            try:
+                if self._at_door(g) and self._form(g, pg_timeout):
+                    break
+            except RuntimeError as e:  # torch's DistNetworkError among them
+                if self.gen_base is self.base:
+                    raise  # this host's own agent is gone: so is this worker's job
+                # the deciding agent's store died under the door (its host was lost): this
+                # member asks its own agent for the next generation, which the agent after
+                # it decides
+                logger.warning("generation %d's store is gone (%s): asking for the next one",
+                               g, str(e).splitlines()[0] if str(e) else type(e).__name__)
+                self.report_fault(g)
             after = g  # superseded at the door or in the formation: the next one holds it?
         self.gen_store.set(formed_key(g, self.me), "1")
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import threading
 import time
 from collections.abc import Collection, Mapping
 
@@ -52,6 +53,11 @@ HOST_LOST_S = 1.0
 CUT_OFF_S = 1.4
 """A follower that has not seen the coordinator's beat move for this long leaves it behind. Later
 than `HOST_LOST_S` by a margin: a coordinator cut off from the majority has stopped by then."""
+RECHECK_S = 0.15
+"""Before a follower leaves a coordinator not heard for `CUT_OFF_S`, it waits this long for one
+more read of its beat: a process that was not scheduled for a while (a starved machine) may run
+the judging loop before the thread that reads the beat, and take its own pause for the
+coordinator's silence."""
 TAKEOVER_WAIT_S = 0.5
 """How long a successor waits for the reports of the newest generation's other agents before it
 counts who it hears."""
@@ -209,6 +215,8 @@ class Following:
         self.host_index = host_index
         self.seq = 0
         self.beat = _Clock(now)
+        self.read = threading.Event()
+        """Set at every beat read (`RECHECK_S`)."""
         self.generation = -1
         self.link = self._connect_liveness()
 
@@ -228,6 +236,7 @@ class Following:
         """The coordinator's beat, as this host hears it (a store that does not answer raises:
         the time since the last change counts on)."""
         self.beat.see(self.store.get("beat"), now)
+        self.read.set()
 
     def heard(self, now: float) -> bool:
         """False once the coordinator's beat has not moved for `CUT_OFF_S`."""
