@@ -23,6 +23,7 @@ import pytest
 from hvd_resilient.errors import ConfigError
 from hvd_resilient.launch.cli import build_parser, resolve
 from hvd_resilient.launch.inplace import fanout
+from tests.support.jobs import wait_for
 from tests.support.paths import ROOT
 
 HOSTS = "127.0.0.1:2,localhost:1"
@@ -150,6 +151,20 @@ def test_int_reaches_every_agent_as_int(start):
     run.proc.send_signal(signal.SIGINT)
     assert run.finish() == 130
     assert run.record(0)["words"] == run.record(1)["words"] == ["INT"]
+
+
+def test_a_sigkilled_fanout_leaves_no_agent_each_ends_on_eof(start):
+    """SIGKILL runs no handler and sends no word; the agents, in sessions of their own, are not
+    killed with the fan-out either. The kernel closes their stdin, and EOF ends each (across
+    hosts sshd forwards the same EOF, and nothing else ends a remote agent:
+    tests/chaos/test_chaos_inplace_launch.py)."""
+    run = start()
+    run.out.wait_for("fake agent 0 ready", "fake agent 1 ready")
+    run.proc.kill()
+    assert run.finish() == -signal.SIGKILL
+    wait_for(lambda: run.record(0)["eof"] and run.record(1)["eof"], WAIT_S, "EOF on both")
+    assert run.record(0)["words"] == run.record(1)["words"] == []
+    wait_for(lambda: not _ours(run.marker), WAIT_S, "both agents gone")
 
 
 def test_the_exit_code_is_host0s_and_a_host_left_running_gets_eof(start):
