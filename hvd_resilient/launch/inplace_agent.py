@@ -51,7 +51,7 @@ from hvd_resilient.launch.inplace.embedded import (
     successor,
 )
 from hvd_resilient.launch.inplace.fanout import COORDINATOR_LINE, worker_command
-from hvd_resilient.launch.inplace.host_agent import HostAgent
+from hvd_resilient.launch.inplace.host_agent import HostAgent, raise_priority
 
 logger = logging.getLogger("hvd_resilient.launch.inplace_agent")  # not __name__: run as __main__
 POLL_S = 0.01
@@ -421,6 +421,7 @@ def _place_under_srun(a: argparse.Namespace, env: Mapping[str, str]) -> None:
 
 @exit_on_error
 def main(argv: Sequence[str] | None = None) -> int:
+    raise_priority()  # first: threads started later inherit it
     a = parse(sys.argv[1:] if argv is None else argv)
     # the agent speaks as rank 0 does (INFO), and says which host's it is
     log.setup(rank_fn=lambda: 0, who=f"agent h{a.host_index}")

@@ -323,6 +323,23 @@ def test_a_member_at_the_door_of_a_store_that_dies_asks_its_own_agent_for_the_ne
             dist.destroy_process_group()
 
 
+def test_the_agent_runs_ahead_of_its_workers_which_keep_the_launchs_niceness():
+    """The agent is its host's control plane: starved by its own workers (their imports, their
+    loaders) it goes silent to the other hosts and is taken for lost. Root here, so it may."""
+    import subprocess
+
+    probe = ("import os; print(os.getpriority(os.PRIO_PROCESS, 0), "
+             "os.getpriority(os.PRIO_PROCESS, os.getppid()))")
+    out = subprocess.run([sys.executable, "-m", "hvd_resilient.launch.inplace_agent",
+                          "--nproc", "1", "--", sys.executable, "-c", probe],
+                         capture_output=True, text=True, timeout=60,
+                         preexec_fn=lambda: os.setpriority(os.PRIO_PROCESS, 0, 2))
+    assert out.returncode == 0, out.stderr[-2000:]
+    worker, agent = map(int, out.stdout.split())
+    assert worker == 2, "a worker must run at the niceness it was launched with"
+    assert agent == (2 - 5 if os.geteuid() == 0 else 2), (worker, agent)
+
+
 def test_under_srun_each_agent_finds_its_place(monkeypatch):
     """One command line for every node (`srun --ntasks-per-node 1`): the place from Slurm's
     variables, the address from the node's name, the job's size from every node's --nproc."""
