@@ -116,9 +116,12 @@ STEP_TIME = 0.05
 POLL_S = 0.02
 JOB = ROOT / "tests" / "scripts" / "recipe_job.py"
 VANILLA = ROOT / "bench" / "torchrun_vanilla_job.py"
-READY = "Starting elastic_operator"
-"""torchrun's first log line after its imports (and ours' warm-up), before it connects to the
-rendezvous' store."""
+JOINING = "Rendezvous'ing worker group"
+"""torchrun's log line once its rendezvous handler (on host 0: the store) is up and it joins."""
+
+
+class StartupFailed(RuntimeError):
+    """The job did not train at full size before the fault: the run is tried again."""
 STACKS = ("ours-torchrun", "plain-torchrun")
 SCENARIOS: dict[str, tuple[int, int]] = {
     # scenario: (the host hit, the world's size once recovered)
@@ -173,7 +176,22 @@ def _events(run: Path) -> list[dict[str, Any]]:
 
 def run_once(stack: str, scenario: str, work: Path, a: argparse.Namespace,
              rng: random.Random) -> dict[str, Any]:
-    """One run: cluster, agents, fault, measurements; always torn down."""
+    """One run; a start that never trained at full size is recorded and tried again, up to
+    `--startup-tries` in all."""
+    failed: list[dict[str, Any]] = []
+    for _ in range(a.startup_tries):
+        out = attempt(stack, scenario, work, a, rng)
+        if not out.get("startup_failed"):
+            break
+        failed.append(out)
+    if failed and out is not failed[-1]:
+        out["startup_failures"] = failed
+    return out
+
+
+def attempt(stack: str, scenario: str, work: Path, a: argparse.Namespace,
+            rng: random.Random) -> dict[str, Any]:
+    """One try: cluster, agents, fault, measurements; always torn down."""
     name = f"{stack}-{scenario.replace('_', '-')}-{time.time_ns()}"
     tmp = work / name
     tmp.mkdir(parents=True)
@@ -190,6 +208,7 @@ def run_once(stack: str, scenario: str, work: Path, a: argparse.Namespace,
     except (AssertionError, RuntimeError, subprocess.SubprocessError, OSError,
             psutil.Error) as e:
         out["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+        out["startup_failed"] = isinstance(e, StartupFailed)
     finally:
         # the agents' logs as the run left them (the teardown's SIGTERM adds its tracebacks)
         tails = {f"host{i}": job.output()[-3000:] for i, job in enumerate(agents)}
@@ -220,25 +239,27 @@ def _fault_and_measure(chaos: Chaos, stack: str, scenario: str, name: str, tmp: 
         c.adopt(job.proc.pid)  # a sweep after a crash of this process ends it too
         return job
 
-    # Hosts 1 and 2 first; host 0 (the store) once both are past their imports and wait to
-    # connect to it: all three then join the first round within the 1 s last call.
-    agents[:] = [None, start(1), start(2)]  # type: ignore[list-item]
-    while not all(READY in agents[i].output() for i in (1, 2)):
-        if any(agents[i].proc.poll() is not None for i in (1, 2)) or time.time() > end:
-            raise RuntimeError("the agents of hosts 1 and 2 did not come up")
+    # Host 0 (the store) first; hosts 1 and 2 together once it waits in the rendezvous: both
+    # then connect at once and the first round has all three (see the module doc).
+    agents.append(start(0))
+    while JOINING not in agents[0].output():
+        if agents[0].proc.poll() is not None or time.time() > end:
+            raise StartupFailed("host 0's agent did not come up")
         time.sleep(0.05)
-    agents[0] = start(0)
+    agents.extend([start(1), start(2)])
+    startup_end = min(end, time.time() + a.startup_timeout)
 
     def exited() -> list[int | None]:
         return [job.proc.poll() for job in agents]
 
     while not any(s["step"] >= HIT_AFTER_STEP and s["size"] == NP for s in steps(run)):
         if any(rc is not None for rc in exited()):
-            raise RuntimeError(f"an agent exited ({exited()}) before step {HIT_AFTER_STEP}")
-        if time.time() > end:
-            raise RuntimeError(f"step {HIT_AFTER_STEP} not reached at size {NP} within "
-                               f"{a.timeout:g} s (rounds started: "
-                               f"{_groups_started(agents, list(range(HOSTS)))})")
+            raise StartupFailed(f"an agent exited ({exited()}) before step {HIT_AFTER_STEP}")
+        if time.time() > startup_end:
+            raise StartupFailed(f"step {HIT_AFTER_STEP} not reached at size {NP} within "
+                                f"{a.startup_timeout:g} s of the last agent's start (worker "
+                                f"groups started: "
+                                f"{_groups_started(agents, list(range(HOSTS)))})")
         time.sleep(0.05)
     out: dict[str, Any] = {"startup_s": round(time.time() - t_start, 1)}
     out["extra_delay_s"] = round(rng.uniform(0, 0.5), 3)
@@ -348,6 +369,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "runs": len(runs), "recovered": len(ok),
         "finished": sum(bool(r.get("finished")) for r in runs),
         "errors": [r["error"] for r in runs if "error" in r],
+        "failed_starts": sum(len(r.get("startup_failures", [])) + bool(r.get("startup_failed"))
+                             for r in runs),
         "unclean_teardowns": [r["teardown"] for r in runs if r.get("teardown") != "clean"],
         "not_recovered": [r.get("outcome") for r in runs
                           if "error" not in r and not r.get("recovered")],
@@ -397,6 +420,11 @@ def main() -> int:
     p.add_argument("--max-steps", type=int, default=80, help="the job's length")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="per run, from the launch to the job's end (s)")
+    p.add_argument("--startup-timeout", type=float, default=180.0,
+                   help="from the last agent's start to step 20 at full size (s); else the "
+                        "start is recorded and tried again")
+    p.add_argument("--startup-tries", type=int, default=2,
+                   help="starts of a run in all (a failed start is kept in its record)")
     p.add_argument("--recover-timeout", type=float, default=60.0,
                    help="seconds after the fault a run may take to recover")
     p.add_argument("--seed", type=int, default=0)
