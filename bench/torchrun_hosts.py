@@ -31,6 +31,21 @@ resolves the machine's one hostname to its own address, so without it node rank 
 would advertise a name that the other hosts resolve to themselves. `GLOO_SOCKET_IFNAME` names
 the hosts' interface for the same reason.
 
+The start: host 0's agent (the store) first; hosts 1 and 2 together once it waits in the
+rendezvous (its "Rendezvous'ing worker group" line), so that the first round has all three
+(`startup_groups`: 1 each). Started all at once on the loaded machine, the agents' imports
+ended seconds apart and rounds of 4 formed and re-formed within the 1 s last call, and torch
+2.13 then hung: a node that was group rank 0 in one round (host 1, in a round host 0 rejoined
+too late for) creates a shared TCPStore of its own and keeps handing its workers that store's
+address in every later round (`DynamicRendezvousHandler.next_rendezvous` caches
+`_bootstrap_store_info` and rebuilds it only for a rank 0 without a store), while the other
+nodes' workers use host 0's: the round of 6 waited in `TCPStore.get` until it was killed. The
+same torch code runs both stacks' agents. A start that still does not train at full size
+within `--startup-timeout` s, or whose agent exits first (agents of one round waiting on each
+other's rendezvous keys until the store's 60 s timeout was seen too), is recorded
+(`startup_failures`, `failed_starts`) and tried again on a fresh cluster, up to
+`--startup-tries` starts; the fault is never injected into a start that went wrong.
+
 Once a step >= 20 has ended, and after a random extra 0-0.5 s, one fault (the faults of
 `bench/inplace_hosts.py`):
 
@@ -63,7 +78,9 @@ job, process, memory tier folder and namespace is removed after each run, also o
 failure (Chaos.close), and the run checks that none is left. Needs root, iproute2 and
 openssh-server (docs/chaos.md).
 
-All rows, 5 repeats (the lead's run, on a quiet machine):
+All rows, 5 repeats (the lead's run, on a quiet machine; one repeat of the six rows took 5
+minutes at a load of 4-11 and 19 minutes at 20-30, so about 25-30 minutes in all on a quiet
+machine, more for every start tried again):
 
     .venv/bin/python bench/torchrun_hosts.py --repeats 5 --out bench/results/torchrun-hosts.json
 
@@ -159,6 +176,16 @@ def agent_command(stack: str, c: Cluster, index: int, name: str, run: Path,
     return ["ip", "netns", "exec", c.hosts[index].ns, *cmd]
 
 
+def _step_time(rows: list[dict[str, Any]], t0: float) -> float | None:
+    """The step time before the fault: the median gap between one worker's last step ends
+    before it (the machine's pace: a recovery's first step takes at least one step)."""
+    gaps = []
+    for pid in {s["pid"] for s in rows if s["t"] <= t0}:
+        mine = sorted(s["t"] for s in rows if s["pid"] == pid and s["t"] <= t0)[-6:]
+        gaps += [b - a for a, b in zip(mine, mine[1:], strict=False)]
+    return round(statistics.median(gaps), 3) if gaps else None
+
+
 def _alive(pids: set[int]) -> set[int]:
     """Those still running (a zombie has ended)."""
     out = set()
@@ -184,8 +211,9 @@ def run_once(stack: str, scenario: str, work: Path, a: argparse.Namespace,
         if not out.get("startup_failed"):
             break
         failed.append(out)
-    if failed and out is not failed[-1]:
-        out["startup_failures"] = failed
+    earlier = failed[:-1] if failed and failed[-1] is out else failed
+    if earlier:  # the failed starts before the one reported (each with its agents' tails)
+        out["startup_failures"] = earlier
     return out
 
 
@@ -315,6 +343,7 @@ def _fault_and_measure(chaos: Chaos, stack: str, scenario: str, name: str, tmp: 
     rows = steps(run)
     last_before = max(s["step"] for s in rows if s["t"] <= t0)
     out["last_step_before"] = last_before
+    out["step_s_before"] = _step_time(rows, t0)
     out["recovered"] = recovered is not None
     if recovered is not None:
         out["first_step_s"] = round(recovered["t"] - t0, 3)
@@ -377,8 +406,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
     if any("digests_equal" in r for r in runs):
         out["digests_equal"] = sum(bool(r.get("digests_equal")) for r in runs)
-    for m in ("first_step_s", "redone"):
-        xs = [r[m] for r in ok if r.get(m) is not None]
+    for m in ("first_step_s", "redone", "step_s_before"):
+        xs = [r[m] for r in (runs if m == "step_s_before" else ok) if r.get(m) is not None]
         if xs:
             out[m] = _stats(xs)
     sizes = sorted({r["recovered_size"] for r in ok})
@@ -393,8 +422,9 @@ def table(summary: dict[str, dict[str, Any]]) -> str:
 
     lines = [
         "| stack | fault | recovered | fault -> first step, s (median / p90 / max) "
-        "| redone steps (median / max) | world after | finished | in place (inplace_hosts) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| redone steps (median / max) | world after | finished | step before the fault, s "
+        "(median) | in place (inplace_hosts) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row, s in summary.items():
         stack, sc = row.split(":")
@@ -406,6 +436,7 @@ def table(summary: dict[str, dict[str, Any]]) -> str:
             f"| {stack} | {sc} | {s['recovered']}/{s['runs']} | {cell(s.get('first_step_s'))} "
             f"| " + (f"{d['median']} / {d['max']}" if d else "-")
             + f" | {','.join(map(str, s.get('recovered_sizes', []))) or '-'} | {fin} "
+            f"| {s['step_s_before']['median'] if 'step_s_before' in s else '-'} "
             f"| {IN_PLACE[sc]} |")
     return "\n".join(lines)
 
