@@ -53,7 +53,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import random
 import shutil
 import signal
@@ -73,7 +72,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from inplace_recovery import p90, steps  # noqa: E402  (bench/inplace_recovery.py)
-from partition import hosts_unavailable, teardown  # noqa: E402  (bench/partition.py)
+from partition import hosts_unavailable, provenance, teardown  # noqa: E402  (bench/partition.py)
 
 from tests.chaos.conftest import Chaos  # noqa: E402
 from tests.chaos.test_chaos_inplace import COMMIT_EVERY, InplaceRun, kill_once  # noqa: E402
@@ -393,16 +392,9 @@ def main() -> int:
     summary = {sc: summarize(runs) for sc, runs in results.items()}
     print()
     print(table(summary))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                           capture_output=True, text=True).stdout.strip()
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({
-        "command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "commit": commit + ("-dirty" if dirty else ""),
-        "machine": {"node": platform.node(), "cpus": os.cpu_count(),
-                    "platform": platform.platform()},
+        **provenance(),
         "settings": {"hosts": HOSTS, "slots": SLOTS, "commit_every": COMMIT_EVERY,
                      "hit_after_step": HIT_AFTER_STEP, "max_steps": a.max_steps,
                      "timeout": a.timeout, "recover_timeout": a.recover_timeout,

@@ -447,6 +447,21 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def provenance() -> dict[str, Any]:
+    """Where a result file's numbers came from: the command, when, the commit (``-dirty`` when
+    tracked files differ from it) and the machine; the multi-host benches open their JSON
+    with it."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                            capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                           capture_output=True, text=True).stdout.strip()
+    return {"command": "python " + " ".join(sys.argv),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "commit": commit + ("-dirty" if dirty else ""),
+            "machine": {"node": platform.node(), "cpus": os.cpu_count(),
+                        "platform": platform.platform()}}
+
+
 def hosts_unavailable() -> str | None:
     """Why namespaced hosts cannot be built here (a line for the user), None when they can."""
     try:

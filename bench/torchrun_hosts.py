@@ -93,7 +93,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import random
 import shutil
 import statistics
@@ -112,7 +111,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from inplace_recovery import p90, steps  # noqa: E402  (bench/inplace_recovery.py)
-from partition import hosts_unavailable, teardown  # noqa: E402  (bench/partition.py)
+from partition import hosts_unavailable, provenance, teardown  # noqa: E402  (bench/partition.py)
 
 from hvd_resilient.events import read_events  # noqa: E402
 from hvd_resilient.launch.launchers.torchrun import torchrun_command  # noqa: E402
@@ -501,16 +500,9 @@ def main() -> int:
     summary = {row: summarize(runs) for row, runs in results.items()}
     print()
     print(table(summary))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                           capture_output=True, text=True).stdout.strip()
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({
-        "command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "commit": commit + ("-dirty" if dirty else ""),
-        "machine": {"node": platform.node(), "cpus": os.cpu_count(),
-                    "platform": platform.platform()},
+        **provenance(),
         "settings": {"hosts": HOSTS, "slots": SLOTS, "nnodes": NNODES,
                      "max_restarts": MAX_RESTARTS, "commit_every": COMMIT_EVERY,
                      "checkpoint_every": CHECKPOINT_EVERY,
