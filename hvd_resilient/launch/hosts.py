@@ -29,6 +29,28 @@ def parse_hosts(spec: str) -> list[tuple[str, int]]:
     return out
 
 
+def discover_hosts(script: str, timeout: float = 10.0, when: str = "") -> dict[str, int]:
+    """One call of a host-discovery script (Horovod's contract: ``host:slots`` lines): its
+    hosts and slots in the order printed, the names validated (they go to ssh). LaunchError,
+    one line, when it cannot run, fails, or prints what Horovod would misread; empty output is
+    "no hosts now", not an error. ``when``: said after "failed" (" on its first call")."""
+    import subprocess
+
+    from hvd_resilient.discovery.validate import DiscoveryOutputError, parse_discovery_output
+
+    try:
+        r = subprocess.run([script], capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise LaunchError(f"discovery script {script} could not run: {e}") from None
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["(no message)"])[-1]
+        raise LaunchError(f"discovery script {script} failed{when}: {last}")
+    try:
+        return parse_discovery_output(r.stdout)
+    except DiscoveryOutputError as e:
+        raise LaunchError(f"discovery script {script} printed {e}") from None
+
+
 def hosts_arg(hosts: list[tuple[str, int]]) -> str:
     """The launchers' own spelling (`-H h1:2,h2:1`)."""
     return ",".join(f"{h}:{n}" for h, n in hosts)

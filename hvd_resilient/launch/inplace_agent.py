@@ -28,6 +28,7 @@ add (`inplace_unadopted`, exit 78, not relaunched).
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import logging
 import os
@@ -36,22 +37,25 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import NamedTuple, NoReturn, TextIO
+
+import torch.distributed as dist
 
 from hvd_resilient import log
 from hvd_resilient.cli_errors import exit_on_error
 from hvd_resilient.errors import CUT_OFF_EXIT_CODE, ConfigError
 from hvd_resilient.launch.inplace.decide import Coordinator, Decision, Record
 from hvd_resilient.launch.inplace.embedded import (
+    CLUSTER,
     LEAVE_S,
     RECHECK_S,
     Coordinating,
     Following,
     successor,
 )
-from hvd_resilient.launch.inplace.fanout import COORDINATOR_LINE, worker_command
-from hvd_resilient.launch.inplace.host_agent import HostAgent, raise_priority
+from hvd_resilient.launch.inplace.fanout import AGENT_LINE, COORDINATOR_LINE, worker_command
+from hvd_resilient.launch.inplace.host_agent import LEAVING_WAIT_S, HostAgent, raise_priority
 
 logger = logging.getLogger("hvd_resilient.launch.inplace_agent")  # not __name__: run as __main__
 POLL_S = 0.01
@@ -59,6 +63,7 @@ START_S = 120.0
 """How long the coordinator waits for every host's first report before generation 0."""
 CONNECT_S = 10.0
 """How long an agent tries to reach host 0's coordinating store at the start."""
+
 
 
 class Left(NamedTuple):
@@ -75,11 +80,15 @@ class Agent:
     def __init__(self, cmd: Sequence[str], nproc: int, min_np: int, last_call_s: float,
                  host: str = "127.0.0.1", replace: bool = False, standby: int = 0, *,
                  host_index: int = 0, hosts: int = 1, coordinator: str | None = None,
-                 job_nproc: int | None = None, announce: bool = False) -> None:
+                 job_nproc: int | None = None, announce: bool = False, joins: bool = False,
+                 late: bool = False) -> None:
+        """``coordinator``: the coordinating agent's store, or several agents' stores (comma
+        separated) of which the coordinating one is found (a host that joins later: the launch
+        does not know which agent coordinates by then); ``joins``, ``late``: `HostAgent`."""
         self.announce = announce
-        """Print `COORDINATOR_LINE` (for the launch across hosts, which reads it)."""
+        """Print `COORDINATOR_LINE` or `AGENT_LINE` (for the launch across hosts)."""
         self.host = HostAgent(cmd, nproc, host_index=host_index, address=host,
-                              replace=replace, standby=standby)
+                              replace=replace, standby=standby, joins=joins, late=late)
         self.host_index, self.hosts = host_index, hosts
         self.coordinator_address = coordinator
         self.decide = Coordinator(job_nproc or nproc, min_np, last_call_s)
@@ -87,6 +96,7 @@ class Agent:
                         if coordinator is None else None)
         """The coordinator's side, on the agent that coordinates (host 0's, or a successor)."""
         self.began = time.monotonic()
+        self.leaving_since: float | None = None
 
     def run(self) -> int:
         self.host.install_signals()
@@ -94,7 +104,32 @@ class Agent:
             if self.announce:
                 print(f"{COORDINATOR_LINE} {self.host.address}", flush=True)
             return self._coordinate()
+        if self.announce:  # where a host added later may look for the coordinator
+            print(f"{AGENT_LINE} {self.host.address}", flush=True)
+        candidates = self.coordinator_address.split(",")
+        if len(candidates) > 1:
+            return self._follow(self._find_coordinator(candidates))
         return self._follow(self.coordinator_address)
+
+    def _find_coordinator(self, candidates: list[str]) -> str:
+        """The one of ``candidates`` (agents' stores) that coordinates: its store holds the
+        coordinator's beat (a follower's holds none; a coordinator left behind is gone or
+        stopped). Tried for `CONNECT_S`: a successor may be taking over just now."""
+        deadline = time.monotonic() + CONNECT_S
+        while True:
+            for address in candidates:
+                host, _, port = address.rpartition(":")
+                try:
+                    client = dist.TCPStore(host, int(port), is_master=False,
+                                           timeout=datetime.timedelta(seconds=0.5))
+                    if dist.PrefixStore(CLUSTER, client).check(["beat"]):
+                        return address
+                except Exception as e:  # gone, or not answering: the next one
+                    logger.debug("agent store %s: %s", address, e)
+            if time.monotonic() > deadline:
+                self._stop_here(f"no coordinating agent among {', '.join(candidates)} "
+                                f"within {CONNECT_S:g}s")
+            time.sleep(0.1)
 
     # -- the coordinating agent -------------------------------------------------------------
     def _coordinate(self) -> int:
@@ -116,6 +151,8 @@ class Agent:
         assert cluster is not None, "the coordinating agent's"
         now = time.monotonic()
         host.reap()
+        if host.leaving and not host.alive and self._may_leave(cluster, now):
+            self._leave_here()
         reports = {**cluster.reports(self.hosts, now), self.host_index: host.report()}
         if decide.generation >= 0:
             quorum = cluster.quorum(reports, now)
@@ -139,18 +176,43 @@ class Agent:
             decision = decide.first(reports)
         else:
             decision = decide.step(reports, now, host.at_door)
-        code = self._carry_out(cluster, decision, sorted(reports))
+        leaving = {h for h, r in reports.items() if r.leaving and h != self.host_index}
+        code = self._carry_out(cluster, decision, sorted(reports), leaving)
         cluster.beat()
         return code
 
-    def _carry_out(self, cluster: Coordinating, d: Decision, heard: list[int]) -> int | None:
+    def _may_leave(self, cluster: Coordinating, now: float) -> bool:
+        """A removed coordinator's workers are gone: it exits once the group of the generation
+        it decided without them has formed on its store and every agent read that generation
+        (the one after it goes on from there), or after `LEAVING_WAIT_S`."""
+        if self.leaving_since is None:
+            self.leaving_since = now
+        g = self.decide.generation
+        return (now - self.leaving_since > LEAVING_WAIT_S
+                or (self.host.formed(g, self.decide.members)
+                    and cluster.settled().generation >= g))
+
+    def _leave_here(self) -> NoReturn:
+        """This host was removed and its workers are gone: the agent exits (`CUT_OFF_EXIT_CODE`:
+        the others go on). Never returns, for the reason `_stop_here` gives."""
+        logger.info("this host's workers have left the job: the agent exits")
+        self.host.finish()
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(CUT_OFF_EXIT_CODE)
+
+    def _carry_out(self, cluster: Coordinating, d: Decision, heard: list[int],
+                   leaving: Collection[int] = ()) -> int | None:
+        """``leaving``: other hosts being removed: named in no record (none of them is the next
+        coordinator)."""
         host = self.host
         if d.fence:
             cluster.fence(d.fence)
             for m, why in d.fence.items():
                 host.fence([m], why)
         if d.publish is not None:
-            agents = {**{h: a for h, a in cluster.addresses.items() if h in heard and a},
+            agents = {**{h: a for h, a in cluster.addresses.items()
+                         if h in heard and a and h not in leaving},
                       self.host_index: host.address}
             record = Record(self.decide.generation, d.publish, host.address, agents)
             cluster.publish(record)
@@ -241,6 +303,11 @@ class Agent:
             with lock:
                 host.reap()
                 done = bool(ended)
+                left = host.leaving and not host.alive
+            if left:
+                with lock:
+                    gone.set()
+                self._leave_here()
             if done:
                 host.finish()
                 hearing.join(1.0)  # its acknowledgement sent: the coordinator may exit
@@ -323,8 +390,9 @@ class Agent:
 
 def read_control(host: HostAgent, stream: TextIO | None = None) -> None:
     """``--control-stdin``: the first line is the environment (JSON), set before any worker
-    starts; then ``TERM``/``INT`` lines are signals for the workers; EOF means the launch is
-    gone, and the workers are ended with the agent."""
+    starts; then ``TERM``/``INT`` lines are signals for the workers, ``LEAVE`` removes this
+    host from the job (`HostAgent.leave`); EOF means the launch is gone, and the workers are
+    ended with the agent."""
     src = stream if stream is not None else sys.stdin
     first = src.readline()
     if first.strip():
@@ -335,6 +403,8 @@ def read_control(host: HostAgent, stream: TextIO | None = None) -> None:
             word = line.strip()
             if word in ("TERM", "INT"):
                 host.forward(getattr(signal, f"SIG{word}"))
+            elif word == "LEAVE":  # the launch removed this host (its discovery script)
+                host.leave_asked = True
         logger.error("the launch is gone (its connection closed): ending this host's workers")
         host.end_all()
         os._exit(1)
@@ -380,6 +450,12 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--job", default="job",
                    help="the keys' folder in etcd: one per launch (the launch across hosts "
                         "makes it)")
+    p.add_argument("--joins", action="store_true",
+                   help="hosts may join the running job (a discovery script): every member "
+                        "looks for a newer generation at its commits")
+    p.add_argument("--late", action="store_true",
+                   help="this host joins a job already running: its workers are newcomers, "
+                        "taken in at the members' next commit")
     p.add_argument("--control-stdin", action="store_true",
                    help="read the environment and stop requests from stdin (the launch over "
                         "ssh); EOF ends the workers")
@@ -398,6 +474,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
                           f"{a.hosts_count}")
     if a.etcd is None and (a.coordinator is None) != (a.host_index == 0):
         raise ConfigError("--coordinator is given to every host's agent but the first's")
+    if a.late and a.host_index == 0:
+        raise ConfigError("--late is for a host that joins a running job, never the first")
     if a.etcd is not None and a.coordinator is not None:
         raise ConfigError("--coordinator and --etcd exclude each other: with etcd no agent "
                           "coordinates")
@@ -429,7 +507,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_agreed(a)
     agent = Agent(a.cmd, a.nproc, a.min_np, a.last_call, a.address, a.replace, a.standby,
                   host_index=a.host_index, hosts=a.hosts_count, coordinator=a.coordinator,
-                  job_nproc=a.job_nproc, announce=a.control_stdin or a.hosts_count > 1)
+                  job_nproc=a.job_nproc, announce=a.control_stdin or a.hosts_count > 1,
+                  joins=a.joins, late=a.late)
     if a.control_stdin:
         read_control(agent.host)
     return agent.run()
@@ -445,7 +524,7 @@ def _run_agreed(a: argparse.Namespace) -> int:
                           f"'hvd_resilient[etcd]'") from None
 
     host = HostAgent(a.cmd, a.nproc, host_index=a.host_index, address=a.address,
-                     replace=a.replace, standby=a.standby)
+                     replace=a.replace, standby=a.standby, joins=a.joins, late=a.late)
     if a.control_stdin:
         read_control(host)
     if a.host_index == 0 and a.control_stdin:  # the launch waits for host 0's line

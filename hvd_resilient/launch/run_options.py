@@ -28,12 +28,17 @@ class RunOptions:
     np: int = 2
     """Processes to start; with --discovery the first world size; torchrun: processes per
     node."""
+    discovery: str | None = setting(None, metavar="SCRIPT")
+    """Horovod, inplace: host-discovery executable printing host:slots lines; hosts join and
+    leave while the job trains (Horovod: makes the job elastic) (default: none, fixed
+    hosts)."""
     min_np: int | None = None
     """Horovod with --discovery, or with --hosts (elastic on fixed hosts, as horovodrun -H with
     --min-np), or inplace: train on down to this many processes (default 1)."""
     max_np: int | None = None
     """Horovod with --discovery or elastic --hosts: grow up to this many processes (default:
-    --np)."""
+    --np); inplace with --discovery: the slots of the hosts run never pass it (default: every
+    host listed)."""
     checkpoint: str = setting("", metavar="URL")
     """Durable checkpoints: {store_urls}, credentials never in it (default
     <run-dir>/checkpoints)."""

@@ -424,7 +424,7 @@ def test_compose_driver_command():
     cmd = [interpolate(a) for a in driver["command"]]
     opts, train = run_options(cmd)
     assert opts.launcher == "horovod" and opts.horovod.network_interface == "eth0"
-    assert opts.horovod.discovery == "/shared/discover.sh"
+    assert opts.run.discovery == "/shared/discover.sh"
     # `entrypoint.sh setup` puts docker/discover.sh there, on the volume mounted at /shared.
     assert '"$SHARED/discover.sh"' in ENTRYPOINT.read_text()
     assert 'SHARED="${HVD_SHARED_DIR:-/shared}"' in ENTRYPOINT.read_text()
@@ -531,8 +531,8 @@ def test_k8s_launcher_command_and_paths():
     opts, train = run_options(c["args"])
     assert opts.launcher == "horovod" and opts.horovod.network_interface == "eth0"
     app = dockerfile_env()[2]["APP_DIR"]
-    assert opts.horovod.discovery.startswith(app + "/")
-    script = ROOT / opts.horovod.discovery[len(app) + 1:]
+    assert opts.run.discovery.startswith(app + "/")
+    script = ROOT / opts.run.discovery[len(app) + 1:]
     assert script.is_file() and os.access(script, os.X_OK), script
     assert opts.run.min_np <= opts.run.np <= opts.run.max_np
     assert opts.run.np <= worker_set()["spec"]["replicas"]

@@ -135,10 +135,52 @@ def test_a_waiting_worker_joins_while_there_is_a_place():
     assert d.publish == [0, 1, H1, H1 + 5]
 
 
+def test_a_late_hosts_slots_make_room_for_its_workers_and_no_more():
+    """A host a discovery script added: its workers join at once, up to its slots; a standby
+    of the first hosts gets no place beyond the job's size while nobody is lost."""
+    coord = Coordinator(4, 1, 60.0)
+    started(coord, two_hosts())
+    h2 = 2 * MEMBER_STRIDE
+    reports = {**two_hosts(), 2: HostReport(alive=[h2, h2 + 1], ready=[h2, h2 + 1], slots=2,
+                                            late=True)}
+    reports[0].alive, reports[0].ready = [0, 1, 2], [2]  # host 0's standby
+    d = coord.step(reports, 1.0, nobody_at_the_door)
+    assert d.publish == [0, 1, H1, H1 + 1, h2, h2 + 1], d
+
+
+def test_a_leaving_hosts_members_are_left_out_at_a_commit_and_nobody_is_fenced():
+    coord = Coordinator(4, 2, 60.0)
+    started(coord, two_hosts())
+    reports = two_hosts()
+    reports[0].leaving = True  # the coordinating host's own (rank 0 among them)
+    d = coord.step(reports, 1.0, nobody_at_the_door)
+    assert d.publish == [H1, H1 + 1] and not d.fence and d.end is None, d
+    # once published, the leaving ones exit when they find themselves left out: no new one
+    assert coord.step({1: HostReport(alive=[H1, H1 + 1])}, 2.0, nobody_at_the_door).publish \
+        is None
+
+
+def test_a_fault_while_a_host_leaves_keeps_its_members_out():
+    coord = Coordinator(4, 1, 60.0)
+    started(coord, two_hosts())
+    reports = {0: HostReport(alive=[0], asked={0: 0}, leaving=True),
+               1: HostReport(alive=[H1, H1 + 1], asked={H1: 0, H1 + 1: 0})}
+    assert coord.step(reports, 1.0, nobody_at_the_door).publish == [H1, H1 + 1]
+
+
+def test_leaving_below_min_np_ends_the_job_for_a_relaunch():
+    coord = Coordinator(4, 3, 60.0)
+    started(coord, two_hosts())
+    reports = two_hosts()
+    reports[1].leaving = True
+    d = coord.step(reports, 1.0, nobody_at_the_door)
+    assert d.end == 1 and d.publish is None, d
+
+
 def test_reports_cross_the_wire_unchanged():
     rep = HostReport(start=[0], alive=[0, H1], asked={H1: 3}, ready=[2], busy=[0],
                      finished=[5], failed={6: -9}, evict={H1: "silent"}, stopping=True,
-                     unadopted=None)
+                     unadopted=None, slots=2, late=True, leaving=True)
     assert HostReport.from_json(rep.to_json()) == rep
 
 

@@ -28,14 +28,14 @@ import threading
 import time
 from dataclasses import dataclass
 
-from hvd_resilient.errors import RESTARTABLE_EXIT_CODE, ConfigError
+from hvd_resilient.errors import CUT_OFF_EXIT_CODE, RESTARTABLE_EXIT_CODE, ConfigError
 from hvd_resilient.launch.inplace.decide import Coordinator, Decision, HostReport, Record
 from hvd_resilient.launch.inplace.etcd_agreement import (
     AgreementUnavailable,
     EtcdAgreement,
     LeaseLost,
 )
-from hvd_resilient.launch.inplace.host_agent import HostAgent
+from hvd_resilient.launch.inplace.host_agent import LEAVING_WAIT_S, HostAgent
 from hvd_resilient.launch.inplace.liveness import Link, Listener
 
 logger = logging.getLogger(__name__)
@@ -68,6 +68,7 @@ class EtcdAgent:
         self.lease_lost = False
         self.control = ""
         self.began = time.monotonic()
+        self.leaving_since: float | None = None
         self._stop = threading.Event()
 
     def run(self) -> int:
@@ -99,6 +100,15 @@ class EtcdAgent:
             except AgreementUnavailable:
                 continue  # etcd unreachable: the main loop decides what that means
 
+    def _may_leave(self) -> bool:
+        """A removed host's workers are gone: its agent exits, the leader's once the group it
+        decided without them formed on its store (or after `LEAVING_WAIT_S`)."""
+        now = time.monotonic()
+        if self.leaving_since is None:
+            self.leaving_since = now
+        return (not self.leading or now - self.leaving_since > LEAVING_WAIT_S
+                or self.host.formed(self.decide.generation, self.decide.members))
+
     def _end(self, code: int) -> int:
         self.host.end_all()
         self.host.finish()
@@ -108,6 +118,9 @@ class EtcdAgent:
         """One look; an exit code when this host is done."""
         host = self.host
         host.reap()
+        if host.leaving and not host.alive and self._may_leave():
+            logger.info("this host's workers have left the job: the agent exits")
+            return self._end(CUT_OFF_EXIT_CODE)
         report = host.report()
         if self.lease_lost:
             logger.error("this host's etcd lease is gone: the other hosts have counted it out; "

@@ -45,6 +45,14 @@ class HostReport:
     """A signal asked this host to stop (the run ends at a final checkpoint)."""
     unadopted: str | None = None
     """A worker died of torch's own env:// rendezvous: the job ends with this line."""
+    slots: int = 0
+    """Its workers' places (--nproc), standbys not counted."""
+    late: bool = False
+    """The host joined a running job (a discovery script added it): its slots raise the cap on
+    the members."""
+    leaving: bool = False
+    """The host is being removed (a discovery script dropped it): its members leave at the
+    others' next commit, with nothing lost."""
 
     def to_json(self) -> dict[str, object]:
         return {"start": self.start, "alive": self.alive,
@@ -52,7 +60,8 @@ class HostReport:
                 "busy": self.busy, "finished": self.finished,
                 "failed": {str(k): v for k, v in self.failed.items()},
                 "evict": {str(k): v for k, v in self.evict.items()},
-                "stopping": self.stopping, "unadopted": self.unadopted}
+                "stopping": self.stopping, "unadopted": self.unadopted, "slots": self.slots,
+                "late": self.late, "leaving": self.leaving}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> HostReport:
@@ -68,7 +77,9 @@ class HostReport:
                    failed={k: int(v) for k, v in by_member("failed").items()},
                    evict={k: str(v) for k, v in by_member("evict").items()},
                    stopping=bool(d.get("stopping")),
-                   unadopted=str(d["unadopted"]) if d.get("unadopted") else None)
+                   unadopted=str(d["unadopted"]) if d.get("unadopted") else None,
+                   slots=int(d.get("slots") or 0), late=bool(d.get("late")),
+                   leaving=bool(d.get("leaving")))
 
 
 @dataclass(frozen=True)
@@ -170,15 +181,23 @@ class Coordinator:
         ready: list[int] = []
         busy: set[int] = set()
         evict: dict[int, str] = {}
+        leaving: set[int] = set()
         stopping = False
+        cap = self.nproc
         for rep in reports.values():
             if rep.unadopted:
                 return Decision(end=78, refusal=rep.unadopted)
             alive.update(rep.alive)
             asked.update(m for m, g in rep.asked.items() if g >= self.generation)
-            ready.extend(rep.ready)
             busy.update(rep.busy)
             evict.update(rep.evict)
+            if rep.leaving:
+                leaving.update(rep.alive)
+            elif rep.late:  # its workers first: the places its slots add are theirs
+                cap += rep.slots
+                ready[:0] = rep.ready
+            else:
+                ready.extend(rep.ready)
             self.finished.update(rep.finished)
             self.failed.update(rep.failed)
             stopping = stopping or rep.stopping
@@ -195,8 +214,11 @@ class Coordinator:
         lost = [m for m in self.members if m not in live]
         if lost:
             asked |= at_door(self.generation, sorted(live & set(self.members)))
+        ready = [m for m in ready if m not in leaving]
         if not lost and not asked:
-            taking = self._take_in(ready)
+            if leaving & set(self.members):  # a host removed: its members leave at a commit
+                return self._without(leaving, fence)
+            taking = self._take_in(ready, cap)
             taking.fence.update(fence)
             return taking
         if self._asked_since is None:
@@ -216,7 +238,8 @@ class Coordinator:
                         f"{self.last_call_s:g}s")
         # a replacement or standby up by now joins too, into the places of the lost
         newcomers = [m for m in ready if m not in self.members and m in live]
-        members = sorted(asked) + newcomers[:max(0, self.nproc - len(asked))]
+        stay = sorted(asked - leaving)
+        members = stay + newcomers[:max(0, cap - len(stay))]
         if len(members) < self.min_np:
             logger.error("%d live members, fewer than --min-np %d: ending the job so that it "
                          "restarts from its durable checkpoint", len(members), self.min_np)
@@ -225,12 +248,29 @@ class Coordinator:
         decision.fence = fence
         return decision
 
-    def _take_in(self, ready: list[int]) -> Decision:
-        """Workers up and waiting (replacements, standbys) join in a generation of their own
-        while there is a place for them, which the members move to at their next commit;
-        never while a fault is being answered."""
+    def _take_in(self, ready: list[int], cap: int) -> Decision:
+        """Workers up and waiting (replacements, standbys, a joined host's) join in a
+        generation of their own while there is a place for them (``cap``: the job's first size
+        and the slots of the hosts that joined since), which the members move to at their next
+        commit; never while a fault is being answered."""
         newcomers = [m for m in ready if m not in self.members]
-        newcomers = newcomers[:max(0, self.nproc - len(self.members))]
+        newcomers = newcomers[:max(0, cap - len(self.members))]
         if newcomers:
             return self._publish([*self.members, *newcomers])
         return Decision()
+
+    def _without(self, leaving: set[int], fence: dict[int, str]) -> Decision:
+        """A generation without the members of a host being removed: the others move to it at
+        their next commit, as at a join, and the leaving ones find themselves left out there
+        and exit. Fewer than --min-np left: the job ends (a relaunch on the hosts left)."""
+        members = [m for m in self.members if m not in leaving]
+        if len(members) < self.min_np:
+            logger.error("removing member(s) %s leaves %d, fewer than --min-np %d: ending the "
+                         "job so that it restarts from its durable checkpoint",
+                         sorted(leaving), len(members), self.min_np)
+            return Decision(fence={m: "the job ends" for m in [*self.members, *leaving]},
+                            end=1)
+        logger.info("member(s) %s leave with their host", sorted(leaving & set(self.members)))
+        decision = self._publish(members)
+        decision.fence = fence
+        return decision

@@ -1,7 +1,9 @@
 """The agreement without a service: the first host's agent coordinates, the others report to its
 store and carry out what it decides.
 
-Keys (under `CLUSTER`, on the coordinating agent's store): ``report/<h>`` (host h's
+Keys (under `CLUSTER`, on the coordinating agent's store): ``hosts`` (one more than the highest
+host index that reported: a host a discovery script added comes after the first ones),
+``report/<h>`` (host h's
 `decide.HostReport` and a sequence number it bumps at every look), ``gen`` and ``gen/<g>`` (the
 generations decided: members and the address of the store the group forms on), ``fence/<m>``
 (a member to end, and why), ``finishing``, ``end`` (the job's exit code), ``ack/<h>`` (host h
@@ -127,9 +129,12 @@ class Coordinating:
                                "are lost", h)
 
     def reports(self, hosts: int, now: float) -> dict[int, HostReport]:
-        """The reports of every other host still heard from."""
+        """The reports of every other host still heard from: the first ``hosts`` and any that
+        joined later."""
         self._watch_links()
         out: dict[int, HostReport] = {}
+        if self.store.check(["hosts"]):
+            hosts = max(hosts, int(self.store.get("hosts")))
         for h in range(hosts):
             if h == self.host_index or h in self.gone or not self.store.check([f"report/{h}"]):
                 continue
@@ -218,7 +223,18 @@ class Following:
         self.read = threading.Event()
         """Set at every beat read (`RECHECK_S`)."""
         self.generation = -1
+        self._register()
         self.link = self._connect_liveness()
+
+    def _register(self) -> None:
+        """Raises the coordinator's ``hosts`` to cover this host's index (compare-and-set: many
+        agents may register at once), so that a host added after the start is read too."""
+        want, seen = str(self.host_index + 1), ""
+        while True:
+            now = self.store.compare_set("hosts", seen, want).decode()
+            if now == want or int(now or 0) >= self.host_index + 1:
+                return
+            seen = now
 
     def _connect_liveness(self) -> Link:
         """The connection whose closing tells the coordinator this agent is gone."""

@@ -57,7 +57,7 @@ from typing import IO
 from hvd_resilient.cli_errors import exit_on_error
 from hvd_resilient.errors import CUT_OFF_EXIT_CODE, ConfigError
 from hvd_resilient.launch.executables import require
-from hvd_resilient.launch.hosts import is_local, parse_hosts
+from hvd_resilient.launch.hosts import hosts_arg, is_local, is_loopback, parse_hosts
 
 AGENT_MODULE = "hvd_resilient.launch.inplace_agent"
 AGENT_MODULE_ENV = "HVD_RESILIENT_INPLACE_AGENT_MODULE"
@@ -66,6 +66,9 @@ AGENT_MODULE_ENV = "HVD_RESILIENT_INPLACE_AGENT_MODULE"
 for a real job."""
 COORDINATOR_LINE = "hvd-resilient-coordinator"
 """What host 0's agent prints, followed by ``HOST:PORT``, once its store listens."""
+AGENT_LINE = "hvd-resilient-agent"
+"""What every other agent prints, followed by its store's ``HOST:PORT``: where a host added
+later looks for the agent that coordinates by then."""
 CARRIED = ("PYTHONPATH", "PATH", "VIRTUAL_ENV")
 """Sent to every agent beyond the launch's own names: the same interpreter and packages."""
 STOPS = {signal.SIGTERM: "TERM", signal.SIGINT: "INT"}
@@ -93,15 +96,19 @@ def agent_module() -> str:
 
 
 def agent_args(a: argparse.Namespace, index: int, hosts: list[tuple[str, int]],
-               coordinator: str | None) -> list[str]:
-    """The agent's options on host ``index``: its own slots as --nproc; the job's sizes."""
-    host, slots = hosts[index]
+               coordinator: str | None, *, late: tuple[str, int] | None = None) -> list[str]:
+    """The agent's options on host ``index``: its own slots as --nproc; the job's sizes (those
+    of the first ``hosts``). ``late``: a host a discovery script added to the running job, and
+    its slots (its index comes after every one before it; ``coordinator`` lists every agent's
+    store, the coordinating one among them)."""
+    host, slots = late or hosts[index]
     return ["--nproc", str(slots),
             *(["--min-np", str(a.min_np)] if a.min_np is not None else []),
             *(["--last-call", f"{a.last_call:g}"] if a.last_call is not None else []),
             *(["--replace"] if a.replace else []),
             *(["--standby", str(a.standby)] if a.standby else []),
-            "--host-index", str(index), "--hosts-count", str(len(hosts)),
+            *(["--joins"] if a.discovery else []), *(["--late"] if late else []),
+            "--host-index", str(index), "--hosts-count", str(max(len(hosts), index + 1)),
             "--job-nproc", str(sum(n for _, n in hosts)), "--address", host,
             *(["--etcd", a.etcd, "--job", a.job] if a.etcd else
               ["--coordinator", coordinator] if coordinator else []),
@@ -134,7 +141,7 @@ def exit_code(returncode: int) -> int:
     return returncode if returncode >= 0 else 128 - returncode
 
 
-def _say(line: str) -> None:
+def say(line: str) -> None:
     print(f"hvd-resilient: {line}", file=sys.stderr, flush=True)
 
 
@@ -143,8 +150,12 @@ class LaunchedAgent:
     end of its stdin (the agent itself: `inplace.host_agent.HostAgent`)."""
 
     def __init__(self, index: int, host: str, cmd: list[str], *, local: bool,
-                 capture: bool) -> None:
-        self.index, self.host, self.local = index, host, local
+                 capture: bool, slots: int = 0) -> None:
+        self.index, self.host, self.local, self.slots = index, host, local, slots
+        self.address = ""
+        """Its store's ``HOST:PORT``, once its line was read (captured output only)."""
+        self.removed = False
+        """The discovery script dropped its host: told to leave (its exit is no job's end)."""
         # a session of its own: a signal to our group must reach it as a line, not as a signal
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, start_new_session=True,
                                      stdout=subprocess.PIPE if capture else None)
@@ -208,22 +219,27 @@ def end(agents: Sequence[LaunchedAgent]) -> None:
 
 
 class Passthrough:
-    """Host 0's stdout: the coordinator's address taken from it, once; every other line is the
-    job's output, passed on to ours."""
+    """An agent's stdout: its store's address taken from it, once (host 0's: the coordinator's);
+    every other line is the job's output, passed on to ours."""
 
-    def __init__(self, stream: IO[bytes]) -> None:
+    def __init__(self, stream: IO[bytes], agent: LaunchedAgent | None = None) -> None:
         self.address: queue.Queue[str | None] = queue.Queue(maxsize=1)
+        self.agent = agent
         self.thread = threading.Thread(target=self._run, args=(stream,), daemon=True,
-                                       name="host0-stdout")
+                                       name=f"host{agent.index if agent else 0}-stdout")
         self.thread.start()
 
     def _run(self, stream: IO[bytes]) -> None:
-        prefix = f"{COORDINATOR_LINE} ".encode()
+        prefixes = (f"{COORDINATOR_LINE} ".encode(), f"{AGENT_LINE} ".encode())
         found = False
         for line in iter(stream.readline, b""):
-            if not found and line.startswith(prefix):
+            prefix = next((p for p in prefixes if line.startswith(p)), None)
+            if not found and prefix is not None:
                 found = True
-                self.address.put(line[len(prefix):].strip().decode(errors="replace"))
+                address = line[len(prefix):].strip().decode(errors="replace")
+                if self.agent is not None:
+                    self.agent.address = address
+                self.address.put(address)
                 continue
             with contextlib.suppress(OSError):  # our reader gone: keep draining the agent
                 sys.stdout.buffer.write(line)
@@ -259,16 +275,21 @@ class Fanout:
             end(self.agents)
             raise
 
-    def _start(self, index: int, coordinator: str | None) -> LaunchedAgent:
-        host = self.hosts[index][0]
+    def _start(self, index: int, coordinator: str | None, *,
+               late: tuple[str, int] | None = None) -> LaunchedAgent:
+        host, slots = late or self.hosts[index]
         local = is_local(host)
-        cmd = agent_command(host, agent_args(self.a, index, self.hosts, coordinator),
+        cmd = agent_command(host, agent_args(self.a, index, self.hosts, coordinator, late=late),
                             local=local, ssh_port=self.a.ssh_port)
-        agent = LaunchedAgent(index, host, cmd, local=local, capture=index == 0)
+        capture = index == 0 or bool(self.a.discovery)  # (every agent's address, to join)
+        agent = LaunchedAgent(index, host, cmd, local=local, capture=capture, slots=slots)
         agent.send(self.env_line)
         agent.ready = True
         self.agents.append(agent)
         agent.catch_up(self.told)  # a signal that came while it was being started
+        if index and capture:
+            assert agent.proc.stdout is not None
+            Passthrough(agent.proc.stdout, agent)
         return agent
 
     def _run(self) -> int:
@@ -276,7 +297,7 @@ class Fanout:
             return 128 + next(s for s, w in STOPS.items() if w == self.told[0])
         host0 = self._start(0, None)
         assert host0.proc.stdout is not None
-        out = Passthrough(host0.proc.stdout)
+        out = Passthrough(host0.proc.stdout, host0)
         try:
             address = out.address.get(timeout=self.a.start_timeout)
         except queue.Empty:
@@ -288,7 +309,7 @@ class Fanout:
             end(self.agents)
             if self.told:  # stopped while starting: not a failure to start
                 return exit_code(host0.proc.wait())
-            _say(f"error: in-place agent of {host0.name}, the coordinator, {why}; "
+            say(f"error: in-place agent of {host0.name}, the coordinator, {why}; "
                  f"{self._what_to_check(host0)}; nothing else was started")
             return 1
         try:
@@ -298,9 +319,13 @@ class Fanout:
                 self._start(index, address)
         except OSError as e:
             end(self.agents)
-            _say(f"error: cannot start the in-place agent of host {index} "
+            say(f"error: cannot start the in-place agent of host {index} "
                  f"({self.hosts[index][0]}): {e}; every agent started was ended")
             return 1
+        if self.a.discovery:
+            from hvd_resilient.launch.inplace.fanout_discovery import Discovered
+
+            return Discovered(self, out).supervise()
         return self._wait(host0, out)
 
     def _why_no_address(self, host0: LaunchedAgent) -> str:
@@ -336,14 +361,14 @@ class Fanout:
             # carry on under the next one (or stop too, when they are no majority)
             how = ("stopped itself, cut off from the others" if code == CUT_OFF_EXIT_CODE
                    else f"is gone ({'ssh ' if not host0.local else ''}exit {exit_code(code)})")
-            _say(f"{host0.name}'s agent {how}: the next host's agent coordinates, the job goes "
+            say(f"{host0.name}'s agent {how}: the next host's agent coordinates, the job goes "
                  "on")
             return self._wait_agreed(out, quiet=True)
         out.thread.join(timeout=PASS_JOIN_S)
         self._let_others_end()
         end(self.agents)  # every one has exited by now: only their pipes are closed
         if not host0.local and code == SSH_FAILED:
-            _say(f"error: ssh to {host0.name}, the coordinator, ended with 255: the "
+            say(f"error: ssh to {host0.name}, the coordinator, ended with 255: the "
                  "connection was lost or ssh failed, and its agent's exit code is not known")
             return 1
         return exit_code(code)
@@ -357,7 +382,7 @@ class Fanout:
             code = agent.proc.wait()
             if not agent.local and code == SSH_FAILED:
                 if not quiet:  # (said as it happened)
-                    _say(f"ssh to {agent.name} ended with 255: the connection was lost or "
+                    say(f"ssh to {agent.name} ended with 255: the connection was lost or "
                          "ssh failed; its workers are gone from the job")
                 continue
             codes.append(exit_code(code))
@@ -369,7 +394,7 @@ class Fanout:
 
     def _watch(self, agent: LaunchedAgent) -> None:
         if agent.proc.wait() == SSH_FAILED:
-            _say(f"ssh to {agent.name} ended with 255: the connection was lost or ssh "
+            say(f"ssh to {agent.name} ended with 255: the connection was lost or ssh "
                  "failed; its workers are gone from the job")
 
     def _let_others_end(self) -> None:
@@ -378,7 +403,7 @@ class Fanout:
         deadline = time.monotonic() + self.a.end_grace
         late = [a for a in self.agents[1:] if a.wait(deadline - time.monotonic()) is None]
         if late:
-            _say(f"{', '.join(a.name for a in late)}: agent still running "
+            say(f"{', '.join(a.name for a in late)}: agent still running "
                  f"{self.a.end_grace:g} s after the coordinator's ended; closing its stdin")
             end(late)
 
@@ -386,7 +411,14 @@ class Fanout:
 def parse(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m hvd_resilient.launch.inplace.fanout",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--hosts", required=True, help="host:slots,...; the first coordinates")
+    p.add_argument("--hosts", default=None, help="host:slots,...; the first coordinates")
+    p.add_argument("--discovery", default=None, metavar="SCRIPT",
+                   help="host-discovery executable (host:slots lines): the hosts follow its "
+                        "answers (in place of --hosts)")
+    p.add_argument("--discovery-interval", type=float, default=1.0,
+                   help="seconds between two calls of --discovery")
+    p.add_argument("--max-np", type=int, default=None,
+                   help="with --discovery: the slots of the hosts run never pass this")
     p.add_argument("--ssh-port", type=int, default=22)
     p.add_argument("--min-np", type=int, default=None, help="for the whole job")
     p.add_argument("--last-call", type=float, default=None)
@@ -408,6 +440,18 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     a.cmd = worker_command(a.cmd)
     if a.job is None:
         a.job = uuid.uuid4().hex[:12]  # a relaunch starts from generation 0 again
+    if (a.hosts is None) == (a.discovery is None):
+        raise ConfigError("give --hosts or --discovery (one of them)")
+    if a.discovery is not None:
+        from hvd_resilient.launch.inplace.fanout_discovery import first_hosts
+
+        first = first_hosts(a.discovery, a.max_np)
+        loopback = [h for h, _ in first if is_loopback(h)] if len(first) > 1 else []
+        if loopback:
+            raise ConfigError(f"discovery script {a.discovery} lists {', '.join(loopback)}, "
+                              "which means each host itself; list this machine by an address "
+                              "the other hosts reach")
+        a.hosts = hosts_arg(first)
     if not parse_hosts(a.hosts):
         raise ConfigError(f"--hosts {a.hosts!r} names no host")
     return a

@@ -48,6 +48,12 @@ WATCH_JOIN_S = 5.0
 judged at once."""
 
 
+LEAVING_WAIT_S = 10.0
+"""How long the agent of a removed host that coordinates, its workers gone, waits for the group
+it decided to form on its store (and, embedded, for every agent to read that generation) before
+it exits anyway."""
+
+
 WORKERS_NICENESS = os.getpriority(os.PRIO_PROCESS, 0)
 """The niceness this process started with (read at import, before `raise_priority`): what the
 workers run at."""
@@ -79,9 +85,18 @@ def _as_worker(parent: int) -> None:
 
 class HostAgent:
     def __init__(self, cmd: Sequence[str], nproc: int, *, host_index: int = 0,
-                 address: str = "127.0.0.1", replace: bool = False, standby: int = 0) -> None:
+                 address: str = "127.0.0.1", replace: bool = False, standby: int = 0,
+                 joins: bool = False, late: bool = False) -> None:
+        """``joins``: workers may join the running job (a discovery script adds hosts), so
+        every member looks for a newer generation at its commits; ``late``: this host joins a
+        job already running, all its workers as newcomers."""
         self.cmd, self.nproc, self.host_index = list(cmd), nproc, host_index
         self.replace, self.standby = replace, standby
+        self.joins, self.late = joins or late or replace or standby > 0, late
+        self.leaving = False
+        """The launch removed this host: its members leave at the others' next commit."""
+        self.leave_asked = False
+        """Set by the thread that reads the launch's words; `reap` (the agent's loop) acts."""
         self.first_member = host_index * MEMBER_STRIDE
         self.next_member = self.first_member + nproc + standby
         self.server = dist.TCPStore(address, 0, is_master=True, wait_for_workers=False,
@@ -105,10 +120,11 @@ class HostAgent:
 
     def start(self) -> None:
         """Every first worker and standby; before any reads it, whether workers join later."""
-        self.store.set("joins", "1" if self.replace or self.standby else "0")
+        self.store.set("joins", "1" if self.joins else "0")
         for n in range(self.nproc + self.standby):
             self._start(self.first_member + n)
-        self.start_members = [self.first_member + n for n in range(self.nproc)]
+        if not self.late:  # a late host's workers are all newcomers
+            self.start_members = [self.first_member + n for n in range(self.nproc)]
 
     def _start(self, member: int) -> None:
         env = {**os.environ, AGENT_ENV: self.address, MEMBER_ENV: str(member),
@@ -122,6 +138,8 @@ class HostAgent:
 
     def reap(self) -> None:
         """Notes every worker that exited; starts a replacement for a lost one (--replace)."""
+        if self.leave_asked:
+            self.leave()
         for m, p in list(self.alive.items()):
             rc = p.poll()
             if rc is None:
@@ -140,7 +158,7 @@ class HostAgent:
                 logger.warning("member %d exited (code %d)", m, rc)
                 # 78: a fault of the job itself (a bad config), which a newcomer would repeat
                 if (self.replace and rc != FATAL_EXIT_CODE and not self.finished
-                        and not self.finishing and not self.stopping):
+                        and not self.finishing and not self.stopping and not self.leaving):
                     self._start(self.next_member)
                     logger.info("member %d started in place of member %d", self.next_member, m)
                     self.next_member += 1
@@ -163,7 +181,8 @@ class HostAgent:
                    and self.store.check([ready_key(m)])],
             busy=[m for m in self.alive if is_busy(self.store, m)],
             finished=sorted(self.finished), failed=dict(self.failed), evict=evict,
-            stopping=self.stopping, unadopted=REFUSAL if self.unadopted else None)
+            stopping=self.stopping, unadopted=REFUSAL if self.unadopted else None,
+            slots=self.nproc, late=self.late, leaving=self.leaving)
 
     def mirror(self, g: int, members: list[int], store: str) -> None:
         """Generation ``g`` for this host's workers: the record before the number they poll."""
@@ -183,6 +202,11 @@ class HostAgent:
         return {m for m in members if self.store.check([door_key(g, m)])
                 and not self.store.check([formed_key(g, m)])}
 
+    def formed(self, g: int, members: Sequence[int]) -> bool:
+        """Every one of ``members`` went through generation ``g``'s door on this agent's store
+        (a leaving coordinator's store must outlive the formation of the group it decided)."""
+        return all(self.store.check([formed_key(g, m)]) for m in members)
+
     def fence(self, members: Sequence[int], why: str) -> None:
         """Ends this host's workers among ``members`` (SIGKILL works on a stopped one too)."""
         for m in members:
@@ -199,6 +223,21 @@ class HostAgent:
         for m, p in self.alive.items():
             if m not in self.members and m not in self._ended and p.poll() is None:
                 logger.info("ending standby member %d: the run is over", m)
+                p.kill()
+                self._ended.add(m)
+
+    def leave(self) -> None:
+        """The launch removed this host (its discovery script no longer lists it): the
+        coordinator leaves its members out of the next generation, which the others move to at
+        their next commit, and they exit when they find themselves left out; its workers that
+        are no members (standbys, newcomers not taken in yet) hold nothing and end now."""
+        if self.leaving:
+            return
+        self.leaving = True
+        logger.warning("this host is removed from the job: its members leave at the others' "
+                       "next commit")
+        for m, p in self.alive.items():
+            if m not in self.members and m not in self._ended and p.poll() is None:
                 p.kill()
                 self._ended.add(m)
 

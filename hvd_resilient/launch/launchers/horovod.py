@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
@@ -26,7 +25,12 @@ from hvd_resilient.launch.horovod.command import (
     horovodrun_static,
 )
 from hvd_resilient.launch.horovod.options import DriverSwitches, driver_env, interval_refusal
-from hvd_resilient.launch.hosts import check_hosts_reachable, hosts_arg, parse_hosts
+from hvd_resilient.launch.hosts import (
+    check_hosts_reachable,
+    discover_hosts,
+    hosts_arg,
+    parse_hosts,
+)
 from hvd_resilient.launch.run_options import RunOptions
 from hvd_resilient.launch.warm.standby import runnable_here
 from hvd_resilient.settings import setting
@@ -36,9 +40,6 @@ from hvd_resilient.settings import setting
 class HorovodrunOptions:
     """horovodrun's own options, as `hvd-resilient run` passes them on."""
 
-    discovery: str | None = setting(None, metavar="SCRIPT")
-    """Horovod: host-discovery executable printing host:slots lines; makes the job elastic
-    (default: none, a static job)."""
     network_interface: str | None = setting(None, metavar="NIC")
     """Horovod: the interface Gloo uses, e.g. eth0; lo on one machine (default: Horovod finds a
     common one across hosts)."""
@@ -63,27 +64,15 @@ class HorovodOptions(DriverSwitches, HorovodrunOptions):
 def check_discovery(script: str) -> None:
     """Horovod would retry a failing discovery script for minutes, and die with a traceback on
     output it cannot parse; fail at once, with one line, instead."""
-    from hvd_resilient.discovery.validate import DiscoveryOutputError, parse_discovery_output
-
-    try:
-        r = subprocess.run([script], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise LaunchError(f"discovery script {script} could not run: {e}") from None
-    if r.returncode != 0:
-        last = (r.stderr.strip().splitlines() or ["(no message)"])[-1]
-        raise LaunchError(f"discovery script {script} failed on its first call: {last}")
-    try:
-        hosts = parse_discovery_output(r.stdout)
-    except DiscoveryOutputError as e:
-        raise LaunchError(f"discovery script {script} printed {e}") from None
-    if not hosts:
+    if not discover_hosts(script, when=" on its first call"):
         raise LaunchError(f"discovery script {script} printed no hosts: no slots to run on")
 
 
 class Horovod:
     name: ClassVar[str] = "horovod"
     options: ClassVar[type] = HorovodOptions
-    shared: ClassVar[frozenset[str]] = frozenset({"hosts", "ssh_port", "min_np", "max_np"})
+    shared: ClassVar[frozenset[str]] = frozenset({"hosts", "ssh_port", "min_np", "max_np",
+                                                      "discovery"})
     stop_signal: ClassVar[signal.Signals | None] = None
     signal_group: ClassVar[bool] = False
 
@@ -95,20 +84,20 @@ class Horovod:
         (horovodrun -H ... --min-np N: Horovod's own elastic mode without a discovery script),
         which recovers from failures in place but never grows beyond those hosts."""
         sized = opts.min_np is not None or opts.max_np is not None
-        return bool(self.own.discovery) or (bool(opts.hosts) and sized)
+        return bool(opts.discovery) or (bool(opts.hosts) and sized)
 
     def check(self, opts: RunOptions) -> None:
         own = self.own
-        if own.discovery and opts.hosts:
+        if opts.discovery and opts.hosts:
             raise ConfigError("run: give --hosts or --discovery, not both")
         watch = own.discovery_watch
-        if watch and not own.discovery:
+        if watch and not opts.discovery:
             raise ConfigError("run: --discovery-watch needs --discovery (it runs that script "
                               "when the file changes)")
         if watch and not os.path.isfile(watch):
             raise ConfigError(f"run: --discovery-watch {watch} is not a file; name the hosts "
                               "file your discovery script reads")
-        if own.discovery_interval is not None and not own.discovery:
+        if own.discovery_interval is not None and not opts.discovery:
             raise ConfigError("run: --discovery-interval needs --discovery (it is how often "
                               "that script runs)")
         why = interval_refusal(own.discovery_interval)
@@ -130,8 +119,8 @@ class Horovod:
                               f"failed host never comes back), got {cooldown[0]} {cooldown[1]}")
 
     def probe(self, opts: RunOptions) -> None:
-        if self.own.discovery:
-            check_discovery(self.own.discovery)
+        if opts.discovery:
+            check_discovery(opts.discovery)
         if opts.hosts:
             check_hosts_reachable(parse_hosts(opts.hosts), opts.ssh_port)
 
@@ -144,7 +133,7 @@ class Horovod:
         cooldown = tuple(own.blacklist_cooldown_range)
         launch = ElasticLaunch(
             np=opts.np, min_np=opts.min_np or 1, max_np=opts.max_np or opts.np,
-            discovery_script=own.discovery, hosts=hosts,
+            discovery_script=opts.discovery, hosts=hosts,
             network_interface=own.network_interface,
             gloo_timeout_seconds=own.gloo_timeout_seconds, reset_limit=own.reset_limit,
             elastic_timeout=own.elastic_timeout,

@@ -12,6 +12,11 @@ others over ssh (--ssh-port) unless they are this machine. The agents run in ses
 own, so the same signal to the group reaches the fan-out alone, which passes it on to every
 agent through its stdin; the forwarded variables go to them that way too, never on a command
 line.
+
+With --discovery SCRIPT the hosts follow a host-discovery script's answers as the job trains
+(`launch/inplace/fanout_discovery.py`): its first answer names the hosts the job starts on, a
+host it drops leaves at the others' next commit, a host it adds joins there; --max-np caps the
+slots run.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import ClassVar
 
 from hvd_resilient.errors import ConfigError
 from hvd_resilient.launch.hosts import check_hosts_reachable, hosts_arg, is_loopback, parse_hosts
+from hvd_resilient.launch.inplace.fanout_discovery import first_hosts
 from hvd_resilient.launch.run_options import RunOptions
 from hvd_resilient.settings import setting
 
@@ -55,14 +61,17 @@ def inplace_command(nproc: int, min_np: int, train_cmd: list[str], *,
             *(["--standby", str(standby)] if standby else []), "--", *train_cmd]
 
 
-def fanout_command(hosts: list[tuple[str, int]], ssh_port: int, min_np: int | None,
+def fanout_command(hosts: list[tuple[str, int]] | str, ssh_port: int, min_np: int | None,
                    env_names: list[str], train_cmd: list[str], *, replace: bool = False,
-                   standby: int = 0, etcd: str = "") -> list[str]:
-    """One agent per host (`launch/inplace/fanout.py`), each with its host's slots; ``min_np``
-    for the whole job (None: the agent's default). ``env_names`` are names only: their values
-    reach the agents on their stdin, never on a command line."""
+                   standby: int = 0, etcd: str = "", max_np: int | None = None) -> list[str]:
+    """One agent per host (`launch/inplace/fanout.py`), each with its host's slots; ``hosts``
+    a discovery script's path: the hosts it lists, as they change (``max_np``: their slots'
+    cap); ``min_np`` for the whole job (None: the agent's default). ``env_names`` are names
+    only: their values reach the agents on their stdin, never on a command line."""
+    where = (["--discovery", hosts, *(["--max-np", str(max_np)] if max_np else [])]
+             if isinstance(hosts, str) else ["--hosts", hosts_arg(hosts)])
     return [sys.executable, "-m", "hvd_resilient.launch.inplace.fanout",
-            "--hosts", hosts_arg(hosts), "--ssh-port", str(ssh_port),
+            *where, "--ssh-port", str(ssh_port),
             *(["--min-np", str(min_np)] if min_np is not None else []),
             *(["--replace"] if replace else []),
             *(["--standby", str(standby)] if standby else []),
@@ -73,7 +82,8 @@ def fanout_command(hosts: list[tuple[str, int]], ssh_port: int, min_np: int | No
 class Inplace:
     name: ClassVar[str] = "inplace"
     options: ClassVar[type] = InplaceOptions
-    shared: ClassVar[frozenset[str]] = frozenset({"min_np", "hosts", "ssh_port"})
+    shared: ClassVar[frozenset[str]] = frozenset({"min_np", "hosts", "ssh_port", "discovery",
+                                                  "max_np"})
     stop_signal: ClassVar[signal.Signals | None] = None
     signal_group: ClassVar[bool] = True
 
@@ -85,6 +95,14 @@ class Inplace:
         fewer than their sum, never more."""
         if self.own.standby < 0:
             raise ConfigError(f"run: --standby must be >= 0, got {self.own.standby}")
+        if opts.discovery and opts.hosts:
+            raise ConfigError("run: give --hosts or --discovery, not both")
+        if opts.max_np is not None and not opts.discovery:
+            raise ConfigError("run: --max-np caps the hosts a discovery script adds: it needs "
+                              "--discovery (with --hosts the job's size is their slots)")
+        if opts.max_np is not None and opts.max_np < max(opts.min_np or 1, 1):
+            raise ConfigError(f"run: --max-np {opts.max_np} is less than --min-np "
+                              f"{opts.min_np or 1}")
         if opts.hosts:
             hosts = parse_hosts(opts.hosts)
             slots = sum(n for _, n in hosts)
@@ -96,25 +114,30 @@ class Inplace:
             if opts.np > slots:
                 raise ConfigError(f"run: --np {opts.np} is more than the {slots} slots in "
                                   f"--hosts {opts.hosts}")
-        if self.own.etcd and not opts.hosts:
-            raise ConfigError("run: --etcd applies with --hosts (one machine needs no service)")
+        if self.own.etcd and not (opts.hosts or opts.discovery):
+            raise ConfigError("run: --etcd applies with --hosts or --discovery (one machine "
+                              "needs no service)")
         for url in filter(None, self.own.etcd.split(",")):
             if not url.strip().startswith(("http://", "https://")) or url.count(":") < 2:
                 raise ConfigError(f"run: --etcd entry {url!r} must look like "
                                   f"http://host:2379")
 
     def probe(self, opts: RunOptions) -> None:
-        """With --hosts, the remote ones reachable over ssh; without, nothing to reach."""
+        """With --hosts, the remote ones reachable over ssh; with --discovery, the script
+        answers with a host (one line, else); without, nothing to reach."""
         if opts.hosts:
             check_hosts_reachable(parse_hosts(opts.hosts), opts.ssh_port)
+        if opts.discovery:
+            first_hosts(opts.discovery, opts.max_np)
 
     def command(self, opts: RunOptions, env_names: list[str]) -> list[str]:
         """With --hosts, the fan-out sends ``env_names``' values to every agent; without, the
         one agent passes its whole environment on, and ``env_names`` is not needed."""
-        if opts.hosts:
-            return fanout_command(parse_hosts(opts.hosts), opts.ssh_port, opts.min_np,
-                                  env_names, opts.command, replace=self.own.replace,
-                                  standby=self.own.standby, etcd=self.own.etcd)
+        if opts.hosts or opts.discovery:
+            return fanout_command(opts.discovery or parse_hosts(opts.hosts or ""),
+                                  opts.ssh_port, opts.min_np, env_names, opts.command,
+                                  replace=self.own.replace, standby=self.own.standby,
+                                  etcd=self.own.etcd, max_np=opts.max_np)
         return inplace_command(opts.np, opts.min_np or 1, opts.command,
                                replace=self.own.replace, standby=self.own.standby)
 
