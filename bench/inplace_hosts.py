@@ -54,12 +54,10 @@ import contextlib
 import json
 import os
 import random
-import shutil
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -72,7 +70,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from inplace_recovery import p90, steps  # noqa: E402  (bench/inplace_recovery.py)
-from partition import hosts_unavailable, provenance, teardown  # noqa: E402  (bench/partition.py)
+from partition import (  # noqa: E402  (bench/partition.py)
+    hosts_unavailable,
+    provenance,
+    run_rows,
+    teardown,
+)
 
 from tests.chaos.conftest import Chaos  # noqa: E402
 from tests.chaos.test_chaos_inplace import COMMIT_EVERY, InplaceRun, kill_once  # noqa: E402
@@ -365,30 +368,15 @@ def main() -> int:
         print(why, file=sys.stderr)
         return 2
     rng = random.Random(a.seed)
-    work = Path(tempfile.mkdtemp(prefix="hvd-resilient-inplace-hosts-"))
-    results: dict[str, list[dict[str, Any]]] = {}
     t_start = time.time()
     load_before = os.getloadavg()[0]
-    interrupted = False
-    try:
-        for i in range(a.repeats):  # scenarios in turn: the machine's load drifts over all
-            for sc in chosen:
-                r = run_once(sc, work, a, rng)
-                results.setdefault(sc, []).append(r)
-                tail = r.pop("output_tail", None)
-                print(f"{sc} #{i + 1}: {json.dumps(r)}", flush=True)
-                if tail is not None:
-                    r["output_tail"] = tail
-                    print(f"--- {sc} #{i + 1}: the job's output, last lines ---\n"
-                          f"{tail[-2500:]}\n---", flush=True)
-    except KeyboardInterrupt:  # run_once has torn its run down; report what was measured
-        interrupted = True
-        print("interrupted: writing the runs so far", file=sys.stderr)
-    finally:
-        if a.keep:
-            print(f"run folders kept in {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+
+    def show_tail(run: str, tail: str) -> None:
+        print(f"--- {run}: the job's output, last lines ---\n{tail[-2500:]}\n---", flush=True)
+
+    results, interrupted = run_rows(
+        [(sc, lambda work, sc=sc: run_once(sc, work, a, rng)) for sc in chosen], a.repeats,
+        "hvd-resilient-inplace-hosts-", a.keep, show_tail)
     summary = {sc: summarize(runs) for sc, runs in results.items()}
     print()
     print(table(summary))

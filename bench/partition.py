@@ -462,6 +462,37 @@ def provenance() -> dict[str, Any]:
                         "platform": platform.platform()}}
 
 
+def run_rows(rows: list[tuple[str, Callable[[Path], dict[str, Any]]]], repeats: int,
+             prefix: str, keep: bool, show_tail: Callable[[str, Any], None],
+             ) -> tuple[dict[str, list[dict[str, Any]]], bool]:
+    """Every row's run, ``repeats`` times, the rows taking turns within each repeat (the
+    machine's load drifts over all alike), in a fresh work folder removed at the end (kept with
+    ``keep``); each run printed as it ends, its ``output_tail`` through ``show_tail``. Ctrl-C
+    stops with the runs so far (a run tears itself down): (results by row, interrupted)."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    results: dict[str, list[dict[str, Any]]] = {}
+    interrupted = False
+    try:
+        for i in range(repeats):
+            for row, run_once in rows:
+                r = run_once(work)
+                results.setdefault(row, []).append(r)
+                tail = r.pop("output_tail", None)
+                print(f"{row} #{i + 1}: {json.dumps(r)}", flush=True)
+                if tail is not None:
+                    r["output_tail"] = tail
+                    show_tail(f"{row} #{i + 1}", tail)
+    except KeyboardInterrupt:
+        interrupted = True
+        print("interrupted: writing the runs so far", file=sys.stderr)
+    finally:
+        if keep:
+            print(f"run folders kept in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    return results, interrupted
+
+
 def hosts_unavailable() -> str | None:
     """Why namespaced hosts cannot be built here (a line for the user), None when they can."""
     try:

@@ -111,7 +111,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from inplace_recovery import p90, steps  # noqa: E402  (bench/inplace_recovery.py)
-from partition import hosts_unavailable, provenance, teardown  # noqa: E402  (bench/partition.py)
+from partition import (  # noqa: E402  (bench/partition.py)
+    hosts_unavailable,
+    provenance,
+    run_rows,
+    teardown,
+)
 
 from hvd_resilient.events import read_events  # noqa: E402
 from hvd_resilient.launch.launchers.torchrun import torchrun_command  # noqa: E402
@@ -470,33 +475,17 @@ def main() -> int:
         print(why, file=sys.stderr)
         return 2
     rng = random.Random(a.seed)
-    work = Path(tempfile.mkdtemp(prefix="hvd-resilient-torchrun-hosts-"))
-    results: dict[str, list[dict[str, Any]]] = {}
     t_start = time.time()
     load_before = os.getloadavg()[0]
-    interrupted = False
-    try:
-        for i in range(a.repeats):  # rows in turn: the machine's load drifts over all
-            for sc in chosen:
-                for stack in stacks:
-                    row = f"{stack}:{sc}"
-                    r = run_once(stack, sc, work, a, rng)
-                    results.setdefault(row, []).append(r)
-                    tail = r.pop("output_tail", None)
-                    print(f"{row} #{i + 1}: {json.dumps(r)}", flush=True)
-                    if tail is not None:
-                        r["output_tail"] = tail
-                        for host, text in tail.items():
-                            print(f"--- {row} #{i + 1}: {host}'s agent, last lines ---\n"
-                                  f"{text[-1500:]}\n---", flush=True)
-    except KeyboardInterrupt:  # run_once has torn its run down; report what was measured
-        interrupted = True
-        print("interrupted: writing the runs so far", file=sys.stderr)
-    finally:
-        if a.keep:
-            print(f"run folders kept in {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+
+    def show_tail(run: str, tail: dict[str, str]) -> None:
+        for host, text in tail.items():
+            print(f"--- {run}: {host}'s agent, last lines ---\n{text[-1500:]}\n---", flush=True)
+
+    results, interrupted = run_rows(
+        [(f"{stack}:{sc}", lambda work, stack=stack, sc=sc: run_once(stack, sc, work, a, rng))
+         for sc in chosen for stack in stacks], a.repeats, "hvd-resilient-torchrun-hosts-",
+        a.keep, show_tail)
     summary = {row: summarize(runs) for row, runs in results.items()}
     print()
     print(table(summary))

@@ -84,6 +84,9 @@ def resolve(args: argparse.Namespace) -> tuple[RunOptions, Launcher]:
     if not cmd:
         raise ConfigError("run: no training command; add it after --, e.g. -- python train.py")
     opts = dataclasses.replace(opts, command=workers_command(cmd))
+    if "np" not in from_flags and "np" not in from_file and (opts.min_np or 1) > opts.np:
+        # --np not given: its default (2) never refuses a --min-np above it
+        opts = dataclasses.replace(opts, np=opts.min_np or 1)
     check_sizes(opts)
     launcher.check(opts)
     refuse_credentials(opts.checkpoint, "run: --checkpoint")

@@ -150,7 +150,8 @@ def test_slot_hosts_split_per_slot_and_map_back_to_the_machine():
 
 @pytest.mark.parametrize("argv,needle", [
     (["--launcher", "mpi", "--discovery", "x"],
-     "run: --discovery applies to --launcher horovod only; drop it or choose horovod"),
+     "run: --discovery applies to --launcher horovod or inplace only; drop it or choose "
+     "horovod or inplace"),
     (["--hosts", "a:0"], "--hosts entry 'a:0' must look like host:slots"),
     (["--np", "5", "--min-np", "1", "--max-np", "4", "--discovery", "/bin/true"],
      "--np 5 must lie between"),

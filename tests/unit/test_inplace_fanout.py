@@ -238,7 +238,7 @@ def test_the_launcher_with_hosts_builds_the_fanout_and_refuses_np_over_the_slots
     assert cmd[:3] == [sys.executable, "-m", "hvd_resilient.launch.inplace.fanout"]
     assert cmd[3:] == ["--hosts", "a:2,b:2", "--ssh-port", "2222", "--min-np", "3",
                        "--replace", "--env-names", "AWS_SECRET_ACCESS_KEY,HVD_RESILIENT_X",
-                       "--", sys.executable, "t.py"]
+                       "--die-with-parent", "--", sys.executable, "t.py"]
     opts, launcher = command("--launcher", "inplace", "--hosts", "a:2,b:2")  # --np not given
     assert "--min-np" not in launcher.command(opts, [])
     with pytest.raises(ConfigError) as e:

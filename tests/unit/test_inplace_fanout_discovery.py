@@ -143,9 +143,11 @@ def test_the_launcher_passes_discovery_and_max_np_and_refuses_them_with_hosts(sc
         cmd: list[str] = launcher.command(opts, ["A"])
         return cmd
 
-    cmd = command("--discovery", str(path), "--max-np", "4", "--min-np", "2")
+    # --np not given: its default (2) does not refuse --min-np 4 (the hosts' slots are the size)
+    cmd = command("--discovery", str(path), "--max-np", "16", "--min-np", "4")
     assert cmd[:3] == [sys.executable, "-m", "hvd_resilient.launch.inplace.fanout"]
-    assert cmd[3:7] == ["--discovery", str(path), "--max-np", "4"] and "--hosts" not in cmd
+    assert cmd[3:7] == ["--discovery", str(path), "--max-np", "16"] and "--hosts" not in cmd
+    assert cmd[cmd.index("--min-np") + 1] == "4"
     with pytest.raises(ConfigError, match="give --hosts or --discovery, not both"):
         command("--discovery", str(path), "--hosts", "h1:2")
     with pytest.raises(ConfigError, match="--max-np caps the hosts a discovery script adds"):

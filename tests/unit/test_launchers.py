@@ -85,7 +85,7 @@ def test_which_options_are_whose():
     assert owners("nnodes") == ("torchrun",) and owners("standby") == ("inplace",)
     assert owners("warm_pool") == ("horovod",) and owners("standby_workers") == ("horovod",)
     assert owners("hosts") == ("horovod", "mpi", "inplace") == owners("ssh_port")
-    assert owners("min_np") == ("horovod", "inplace") and owners("max_np") == ("horovod",)
+    assert owners("min_np") == ("horovod", "inplace") == owners("max_np") == owners("discovery")
     assert owners("np") == owners("run_id") == owners("launcher") == ()
 
 

@@ -80,6 +80,8 @@ class _Generations(TorchDistWorld):
 
     def __init__(self, backend: InPlaceBackend, m: Membership, state: InPlaceState) -> None:
         self.backend, self.m, self.state = backend, m, state
+        self._moving = False
+        """The fault being answered is a move at a commit (a join, a host removed)."""
         self.reset_pending = False
         """A new generation's state hooks (`reset_done`) are still to run: at the sync, where
         the detectors watch their collectives."""
@@ -115,12 +117,20 @@ class _Generations(TorchDistWorld):
 
     def changed(self, fault: recovery.Fault) -> None:
         dist.barrier()  # every rank stopped watching before anyone hangs up
+        self._moving = fault.kind is recovery.FaultKind.CHANGE
 
     def leaving(self) -> str | None:
-        return None  # the agent ends a worker it removes
+        """At a commit's move only: the newest generation goes on without this worker (its
+        host was removed, `HostAgent.leave`), which leaves with exit code 0 and writes
+        nothing more; a worker left out after a fault was found silent, and its agent ends
+        it."""
+        if not self._moving or not self.m.left_out():
+            return None
+        return str(self.m.me)
 
     def leave(self, slot: str) -> int:
-        raise AssertionError("the agent ends a worker it removes")
+        dist.destroy_process_group()
+        return 0
 
     def tear_down(self, fault: recovery.Fault) -> None:
         if not self.m.reconfigure:  # (a reconfigured group is kept: `inplace.reconfigure`)

@@ -300,6 +300,12 @@ class Membership:
     def evicted(self) -> bool:
         return self.store.check([evict_key(self.me)])
 
+    def left_out(self) -> bool:
+        """The newest generation, newer than this worker's, does not hold it."""
+        newest = self.newest()
+        return newest > self.generation and self.me not in json.loads(
+            self.store.get(gen_key(newest)))
+
     def changed(self) -> bool:
         """A newer generation than this worker's is published (a member joins or left)."""
         return self.newest() != self.generation

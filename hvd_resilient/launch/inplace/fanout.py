@@ -2,7 +2,10 @@
 
     python -m hvd_resilient.launch.inplace.fanout --hosts h1:2,h2:2 [--ssh-port P]
         [--min-np M] [--last-call S] [--replace] [--standby K] [--etcd URL,...]
-        [--env-names A,B] -- CMD...
+        [--env-names A,B] [--die-with-parent] -- CMD...
+
+(or `--discovery SCRIPT [--max-np N]` in place of --hosts: the hosts follow the script's answers
+as the job trains, `fanout_discovery.py`).
 
 Host 0's agent coordinates (it hosts the store and decides the generations), so it starts
 first, and the others are only started once it has printed where its store listens
@@ -55,6 +58,7 @@ from types import FrameType
 from typing import IO
 
 from hvd_resilient.cli_errors import exit_on_error
+from hvd_resilient.die_with_parent import die_with_parent
 from hvd_resilient.errors import CUT_OFF_EXIT_CODE, ConfigError
 from hvd_resilient.launch.executables import require
 from hvd_resilient.launch.hosts import hosts_arg, is_local, is_loopback, parse_hosts
@@ -431,6 +435,9 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--env-names", default="",
                    help="comma-separated names of the variables every agent gets (values "
                         "from this process's environment, sent on the agents' stdin)")
+    p.add_argument("--die-with-parent", action="store_true",
+                   help="the kernel ends this process with the one that started it (`hvd-resilient "
+                        "run`: killed with its job guard, the agents must not live on)")
     p.add_argument("--start-timeout", type=float, default=60.0,
                    help="seconds host 0's agent has to print its address")
     p.add_argument("--end-grace", type=float, default=30.0,
@@ -459,7 +466,10 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
 
 @exit_on_error
 def main(argv: Sequence[str] | None = None) -> int:
-    return Fanout(parse(sys.argv[1:] if argv is None else argv)).run()
+    a = parse(sys.argv[1:] if argv is None else argv)
+    if a.die_with_parent:  # its agents then read EOF and end their workers
+        die_with_parent(os.getppid())
+    return Fanout(a).run()
 
 
 if __name__ == "__main__":

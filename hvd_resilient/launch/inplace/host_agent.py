@@ -151,7 +151,9 @@ class HostAgent:
                 if watch.unadopted:
                     self.unadopted = True
                     continue
-            if rc == 0:
+            if self.leaving:  # this host was removed: an exit is its member leaving
+                logger.info("member %d left the job (code %d)", m, rc)
+            elif rc == 0:
                 self.finished.add(m)
             else:
                 self.failed[m] = rc

@@ -76,7 +76,7 @@ def fanout_command(hosts: list[tuple[str, int]] | str, ssh_port: int, min_np: in
             *(["--replace"] if replace else []),
             *(["--standby", str(standby)] if standby else []),
             *(["--etcd", etcd] if etcd else []),
-            "--env-names", ",".join(sorted(env_names)), "--", *train_cmd]
+            "--env-names", ",".join(sorted(env_names)), "--die-with-parent", "--", *train_cmd]
 
 
 class Inplace:
