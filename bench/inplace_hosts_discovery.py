@@ -215,7 +215,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5, help="runs of each scenario")
     p.add_argument("--scenarios", default=",".join(SCENARIOS),
                    help=f"comma-separated subset of {', '.join(SCENARIOS)}")
-    p.add_argument("--max-steps", type=int, default=90, help="the job's length")
+    p.add_argument("--max-steps", type=int, default=400, help="the job's length")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="per run, from the launch to the job's end (s)")
     p.add_argument("--recover-timeout", type=float, default=60.0,

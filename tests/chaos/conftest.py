@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.etcd_cluster import EtcdCluster
 from tests.support.jobs import JobRunner
 from tests.support.netns import Cluster, MissingTool, Unavailable
 
@@ -58,3 +59,19 @@ def chaos(tmp_path: Path):
         yield c
     finally:
         c.close()
+
+
+@pytest.fixture
+def etcd_on_hosts(chaos):
+    """A 3-member etcd cluster, one member in each of the 3 hosts' namespaces (as a job would
+    run it on its own hosts): a host's processes killed take its member with them."""
+    made: list[EtcdCluster] = []
+
+    def start(c: Cluster) -> EtcdCluster:
+        e = EtcdCluster(3, addresses=[h.addr for h in c.hosts], netns=[h.ns for h in c.hosts])
+        made.append(e)
+        return e.start()
+
+    yield start
+    for e in made:
+        e.close()

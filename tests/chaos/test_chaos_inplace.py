@@ -155,22 +155,6 @@ def test_the_coordinating_host_lost_the_next_agent_coordinates_and_the_others_go
                       run.first_commit_after(t)}))
 
 
-@pytest.fixture
-def etcd_on_hosts(chaos):
-    """A 3-member etcd cluster, one member in each of the 3 hosts' namespaces (as a job would
-    run it on its own hosts): a host's processes killed take its member with them."""
-    made: list[EtcdCluster] = []
-
-    def start(c: Cluster) -> EtcdCluster:
-        e = EtcdCluster(3, addresses=[h.addr for h in c.hosts], netns=[h.ns for h in c.hosts])
-        made.append(e)
-        return e.start()
-
-    yield start
-    for e in made:
-        e.close()
-
-
 @pytest.mark.ci_chaos
 def test_with_etcd_the_host_holding_rank0_and_the_store_is_lost_and_the_others_go_on(
         chaos, etcd_on_hosts):

@@ -9,6 +9,8 @@ kind: it prints a hosts file the test edits, as a cluster manager would.
 - A listed host dropped leaves the same way: a generation without its members, which the others
   move to at their next commit; its workers exit when they find themselves left out, nothing
   is restored or redone, no worker is restarted.
+- The same with etcd agreeing on the generations (a member in each host's namespace): the late
+  agent needs no other agent's address.
 - The host dropped is the coordinating one (host 0, rank 0 and the store): it decides the
   generation without itself, waits for the group to form, and exits; host 1's agent
   coordinates from there.
@@ -25,6 +27,7 @@ import time
 
 import pytest
 
+from tests.support.etcd_cluster import EtcdCluster
 from tests.support.exactly_once import assert_exactly_once
 from tests.support.jobs import PYTHON, VENV_BIN, events, wait_for
 from tests.support.netns import Cluster, Host
@@ -41,7 +44,7 @@ class DiscoveredRun:
     """A run whose hosts are what ``hosts.txt`` lists, read by a discovery script."""
 
     def __init__(self, chaos, c: Cluster, name: str, listed: list[Host], *,
-                 max_steps: int) -> None:
+                 max_steps: int, etcd: EtcdCluster | None = None) -> None:
         self.c, self.run = c, chaos.tmp / name
         self.hostsfile = chaos.tmp / f"{name}-hosts.txt"
         self.list(listed)
@@ -51,7 +54,8 @@ class DiscoveredRun:
         cmd = [str(VENV_BIN / "hvd-resilient"), "run", "--launcher", "inplace",
                "--discovery", str(script), "--max-np", "6", "--min-np", "2",
                "--ssh-port", str(c.port), "--run-id", name, "--run-dir", str(self.run),
-               "--max-restarts", "0", "--checkpoint", f"file://{chaos.tmp}/{name}-ckpt", "--",
+               "--max-restarts", "0", "--checkpoint", f"file://{chaos.tmp}/{name}-ckpt",
+               *(["--etcd", ",".join(etcd.endpoints)] if etcd else []), "--",
                PYTHON, JOB, *RECIPE, "--samples", "--batch-size", "8", "--commit-every", "4",
                "--epochs", "1000", "--max-steps", str(max_steps), "--checkpoint-every", "8",
                "--no-memory-tier-enabled", "--step-time", "0.05"]
@@ -98,11 +102,11 @@ def assert_final_world(run: DiscoveredRun, size: int, starts: int) -> None:
     assert assert_exactly_once(run.run, N_SAMPLES) >= 1
 
 
-@pytest.mark.ci_chaos
-def test_a_host_listed_joins_and_a_host_dropped_leaves_at_a_commit(chaos):
+def join_then_leave(chaos, name: str, etcd_on_hosts=None) -> None:
     c = chaos.cluster(3)
     h0, h1, h2 = c.hosts
-    run = DiscoveredRun(chaos, c, "inplace-discovery", [h0, h1], max_steps=120)
+    etcd = etcd_on_hosts(c) if etcd_on_hosts else None
+    run = DiscoveredRun(chaos, c, name, [h0, h1], max_steps=400, etcd=etcd)
     run.wait_commits(3)
     t = run.list([h0, h1, h2])
     joined = run.wait_size(6, t)
@@ -115,14 +119,24 @@ def test_a_host_listed_joins_and_a_host_dropped_leaves_at_a_commit(chaos):
     assert not set(c.pids(h1)) & leaving, "host 1's workers did not exit"
     assert "host 1" in run.job.output() and "leave" in run.job.output()
     assert_final_world(run, 4, starts=6)
-    print(json.dumps({"scenario": "discovery", "join_first_commit_s": joined,
+    assert len([e for e in events(run.log) if e["event"] == "left_job"]) == 2
+    print(json.dumps({"scenario": name, "join_first_commit_s": joined,
                       "leave_first_commit_s": left}))
+
+
+@pytest.mark.ci_chaos
+def test_a_host_listed_joins_and_a_host_dropped_leaves_at_a_commit(chaos):
+    join_then_leave(chaos, "inplace-discovery")
+
+
+def test_with_etcd_a_host_listed_joins_and_a_host_dropped_leaves(chaos, etcd_on_hosts):
+    join_then_leave(chaos, "inplace-discovery-etcd", etcd_on_hosts)
 
 
 def test_the_coordinating_host_dropped_leaves_and_host_1_coordinates(chaos):
     c = chaos.cluster(3)
     h0, h1, h2 = c.hosts
-    run = DiscoveredRun(chaos, c, "inplace-discovery-h0", [h0, h1, h2], max_steps=100)
+    run = DiscoveredRun(chaos, c, "inplace-discovery-h0", [h0, h1, h2], max_steps=200)
     run.wait_commits(3)
     t = run.list([h1, h2])
     left = run.wait_size(4, t)
