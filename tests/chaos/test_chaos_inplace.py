@@ -19,6 +19,7 @@ import time
 import psutil
 import pytest
 
+from hvd_resilient.backends.inplace.membership import host_of
 from tests.support.etcd_cluster import EtcdCluster
 from tests.support.exactly_once import assert_exactly_once
 from tests.support.jobs import PYTHON, VENV_BIN, events, wait_for
@@ -311,3 +312,25 @@ def test_a_frozen_host_is_evicted_and_the_others_go_on(chaos):
     assert sorted(done) == list(range(4)), sorted(done)
     assert len({json.dumps(d["digests"], sort_keys=True) for d in done.values()}) == 1, done
     print(json.dumps({"scenario": "freeze", "first_commit_s": run.first_commit_after(t)}))
+
+
+def test_a_standby_on_another_host_takes_a_whole_lost_hosts_place(chaos):
+    """--standby 1 on each host: every process of host 2 killed, and the generation that
+    answers it takes the standbys of hosts 0 and 1 in the lost members' places (no import, the
+    state sent by the sync): back at 6 at once, with no worker started after the launch."""
+    c = chaos.cluster(3)
+    run = InplaceRun(chaos, c, "inplace-standby-hosts", extra=("--standby", "1"))
+    run.wait_commits(3)
+    t = kill_once(c, c.hosts[2])
+    assert run.job.wait(240) == 0, run.job.output()[-4000:]
+    starts = run.of("start")
+    assert len(starts) == 9 and all(e["ts"] < t for e in starts), "a worker started later"
+    resets = [e for e in run.of("reset") if e["rank"] == 0]
+    assert [e["new_size"] for e in resets] == [6], resets
+    joined = run.of("joined")
+    assert len(joined) == 2 and {host_of(e["member"]) for e in joined} == {0, 1}, joined
+    done = {e["rank"]: e for e in run.of("done") if "digests" in e}
+    assert sorted(done) == list(range(6)), sorted(done)
+    assert len({json.dumps(d["digests"], sort_keys=True) for d in done.values()}) == 1, done
+    assert assert_exactly_once(run.run, N_SAMPLES) >= 1
+    print(json.dumps({"scenario": "standby-hosts", "first_commit_s": run.first_commit_after(t)}))
