@@ -55,7 +55,6 @@ import json
 import os
 import random
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -69,12 +68,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from inplace_recovery import p90, steps  # noqa: E402  (bench/inplace_recovery.py)
+from inplace_recovery import steps  # noqa: E402  (bench/inplace_recovery.py)
 from partition import (  # noqa: E402  (bench/partition.py)
     hosts_unavailable,
     provenance,
     run_rows,
-    teardown,
+    stats,
+    torn_down,
 )
 
 from tests.chaos.conftest import Chaos  # noqa: E402
@@ -137,24 +137,8 @@ def _since(t: float | None, t0: float) -> float | None:
 def run_once(scenario: str, work: Path, a: argparse.Namespace,
              rng: random.Random) -> dict[str, Any]:
     """One run: cluster, job, fault, measurements; always torn down."""
-    name = f"{scenario.replace('_', '-')}-{time.time_ns()}"
-    tmp = work / name
-    tmp.mkdir(parents=True)
-    chaos = Chaos(tmp)
-    out: dict[str, Any] = {"scenario": scenario, "load_before": round(os.getloadavg()[0], 2)}
-    t_start = time.time()
-    try:
-        out.update(_fault_and_measure(chaos, scenario, name, a, rng, t_start))
-    except (AssertionError, RuntimeError, subprocess.SubprocessError, OSError,
-            psutil.Error) as e:
-        out["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
-    finally:
-        jobs = list(chaos.jobs.jobs)
-        out["teardown"] = teardown(chaos)
-        out["run_s"] = round(time.time() - t_start, 1)
-        if jobs and ("error" in out or out.get("rc") != 0 or not out.get("digests_equal")):
-            out["output_tail"] = jobs[0].output()[-4000:]  # complete: the job is stopped
-    return out
+    return torn_down(scenario, work, lambda chaos, name, t_start: _fault_and_measure(
+        chaos, scenario, name, a, rng, t_start))
 
 
 def _fault_and_measure(chaos: Chaos, scenario: str, name: str, a: argparse.Namespace,
@@ -284,10 +268,6 @@ def _fault_and_measure(chaos: Chaos, scenario: str, name: str, a: argparse.Names
     return out
 
 
-def _stats(xs: list[float]) -> dict[str, float]:
-    return {"median": round(statistics.median(xs), 3), "p90": p90(xs), "max": max(xs)}
-
-
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     ok = [r for r in runs if "first_step_s" in r]
     out: dict[str, Any] = {
@@ -300,7 +280,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     for m in ("first_step_s", "redone", "cut_off_stopped_s"):
         xs = [r[m] for r in ok if r.get(m) is not None]
         if xs:
-            out[m] = _stats(xs)
+            out[m] = stats(xs)
         never = sum(m in r and r[m] is None for r in ok)
         if never:
             out[m + "_never"] = never

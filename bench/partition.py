@@ -462,6 +462,38 @@ def provenance() -> dict[str, Any]:
                         "platform": platform.platform()}}
 
 
+def stats(xs: list[float]) -> dict[str, float]:
+    """Median, p90 and max, as every bench's table shows them."""
+    ordered = sorted(xs)
+    return {"median": round(statistics.median(xs), 3),
+            "p90": ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)], "max": max(xs)}
+
+
+def torn_down(scenario: str, work: Path,
+              body: Callable[[Chaos, str, float], dict[str, Any]]) -> dict[str, Any]:
+    """One run of a multi-host bench: ``body(chaos, name, t_start)``'s measurements in a fresh
+    `Chaos` under ``work``, always torn down (`teardown`); an error is recorded, not raised, and
+    the job's output tail is kept when the run failed or did not end with equal digests."""
+    name = f"{scenario.replace('_', '-')}-{time.time_ns()}"
+    tmp = work / name
+    tmp.mkdir(parents=True)
+    chaos = Chaos(tmp)
+    out: dict[str, Any] = {"scenario": scenario, "load_before": round(os.getloadavg()[0], 2)}
+    t_start = time.time()
+    try:
+        out.update(body(chaos, name, t_start))
+    except (AssertionError, RuntimeError, subprocess.SubprocessError, OSError,
+            psutil.Error) as e:
+        out["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+    finally:
+        jobs = list(chaos.jobs.jobs)
+        out["teardown"] = teardown(chaos)
+        out["run_s"] = round(time.time() - t_start, 1)
+        if jobs and ("error" in out or out.get("rc") != 0 or not out.get("digests_equal")):
+            out["output_tail"] = jobs[0].output()[-4000:]  # complete: the job is stopped
+    return out
+
+
 def run_rows(rows: list[tuple[str, Callable[[Path], dict[str, Any]]]], repeats: int,
              prefix: str, keep: bool, show_tail: Callable[[str, Any], None],
              ) -> tuple[dict[str, list[dict[str, Any]]], bool]:

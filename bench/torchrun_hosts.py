@@ -110,11 +110,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from inplace_recovery import p90, steps  # noqa: E402  (bench/inplace_recovery.py)
+from inplace_recovery import steps  # noqa: E402  (bench/inplace_recovery.py)
 from partition import (  # noqa: E402  (bench/partition.py)
     hosts_unavailable,
     provenance,
     run_rows,
+    stats,
     teardown,
 )
 
@@ -392,10 +393,6 @@ def _groups_started(agents: list[Job], survivors: list[int]) -> dict[str, int]:
     return {f"host{i}": agents[i].output().count("Starting worker group") for i in survivors}
 
 
-def _stats(xs: list[float]) -> dict[str, float]:
-    return {"median": round(statistics.median(xs), 3), "p90": p90(xs), "max": max(xs)}
-
-
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     ok = [r for r in runs if r.get("recovered")]
     out: dict[str, Any] = {
@@ -413,7 +410,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     for m in ("first_step_s", "redone", "step_s_before"):
         xs = [r[m] for r in (runs if m == "step_s_before" else ok) if r.get(m) is not None]
         if xs:
-            out[m] = _stats(xs)
+            out[m] = stats(xs)
     sizes = sorted({r["recovered_size"] for r in ok})
     if sizes:
         out["recovered_sizes"] = sizes
