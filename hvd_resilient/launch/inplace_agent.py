@@ -54,8 +54,9 @@ from hvd_resilient.launch.inplace.embedded import (
     Following,
     successor,
 )
-from hvd_resilient.launch.inplace.fanout import AGENT_LINE, COORDINATOR_LINE, worker_command
+from hvd_resilient.launch.inplace.fanout import worker_command
 from hvd_resilient.launch.inplace.host_agent import LEAVING_WAIT_S, HostAgent, raise_priority
+from hvd_resilient.launch.inplace.launched import AGENT_LINE, COORDINATOR_LINE
 
 logger = logging.getLogger("hvd_resilient.launch.inplace_agent")  # not __name__: run as __main__
 POLL_S = 0.01

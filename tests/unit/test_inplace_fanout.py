@@ -22,7 +22,7 @@ import pytest
 
 from hvd_resilient.errors import ConfigError
 from hvd_resilient.launch.cli import build_parser, resolve
-from hvd_resilient.launch.inplace import fanout
+from hvd_resilient.launch.inplace import fanout, launched
 from tests.support.jobs import wait_for
 from tests.support.paths import ROOT
 
@@ -140,7 +140,7 @@ def test_host0_starts_first_and_the_others_get_its_address_and_the_env_on_stdin(
         assert rec["words"] == ["TERM"]
     assert not any(SECRET in word for word in run.cmd)  # names only: --env-names
     out = run.out.rest()
-    assert not any(line.startswith(fanout.COORDINATOR_LINE) for line in out), out
+    assert not any(line.startswith(launched.COORDINATOR_LINE) for line in out), out
     assert run.err.rest() == []
     assert _ours(run.marker) == []
 
@@ -215,8 +215,8 @@ def test_a_remote_agent_runs_over_ssh_in_this_directory_every_word_quoted(monkey
     monkeypatch.delenv("PYTHONPATH", raising=False)
     args = ["--nproc", "2", "--", "python", "t.py", "$HOME"]
     cmd = fanout.agent_command("h2", args, local=False, ssh_port=2222)
-    n = 6 + len(fanout.SSH_ALIVE)
-    assert cmd[:n] == ["/usr/bin/ssh", "-p", "2222", "-o", "BatchMode=yes", *fanout.SSH_ALIVE,
+    n = 6 + len(launched.SSH_ALIVE)
+    assert cmd[:n] == ["/usr/bin/ssh", "-p", "2222", "-o", "BatchMode=yes", *launched.SSH_ALIVE,
                        "h2"]
     assert shlex.split(cmd[n]) == ["cd", str(odd), "&&", "exec", sys.executable, "-m",
                                    fanout.AGENT_MODULE, *args]

@@ -45,7 +45,9 @@ class Fanout:
         self.told: list[str] = []
         self.started: list[tuple[int, str | None, tuple[str, int]]] = []
 
-    def _start(self, index: int, coordinator: str | None, *, late: tuple[str, int]) -> Any:
+    def start_agent(self, index: int, coordinator: str | None, *,
+                    late: tuple[str, int] | None = None) -> Any:
+        assert late is not None
         self.started.append((index, coordinator, late))
         self.agents.append(Agent(index, *late))
         return self.agents[-1]

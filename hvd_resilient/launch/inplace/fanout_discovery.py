@@ -29,16 +29,21 @@ code is the one the survivors end with.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from hvd_resilient.errors import CUT_OFF_EXIT_CODE, LaunchError
 from hvd_resilient.launch.hosts import discover_hosts, is_loopback
-from hvd_resilient.launch.inplace.fanout import SSH_FAILED, end, exit_code, say
-
-if TYPE_CHECKING:
-    from hvd_resilient.launch.inplace.fanout import Fanout, LaunchedAgent, Passthrough
+from hvd_resilient.launch.inplace.launched import (
+    SSH_FAILED,
+    LaunchedAgent,
+    Passthrough,
+    end,
+    exit_code,
+    say,
+)
 
 logger = logging.getLogger(__name__)
 LOOK_S = 0.1
@@ -78,11 +83,24 @@ def job_code(codes: list[int]) -> int:
     return CUT_OFF_EXIT_CODE if CUT_OFF_EXIT_CODE in codes else (codes[0] if codes else 1)
 
 
+class Launch(Protocol):
+    """What `Discovered` uses of the launch (`fanout.Fanout`)."""
+
+    a: argparse.Namespace
+    agents: list[LaunchedAgent]
+    """Every agent started, in order: appended to by `start_agent`."""
+    told: list[str]
+    """The signal words passed on so far: none after a stop is asked."""
+
+    def start_agent(self, index: int, coordinator: str | None, *,
+                    late: tuple[str, int] | None = None) -> LaunchedAgent: ...
+
+
 class Discovered:
     """Runs the job's agents while the script's answers change (`Fanout._run` hands over once
     the first hosts' agents are started)."""
 
-    def __init__(self, fanout: Fanout, out: Passthrough) -> None:
+    def __init__(self, fanout: Launch, out: Passthrough) -> None:
         self.f, self.out = fanout, out
         self.script: str = fanout.a.discovery
         self.interval: float = fanout.a.discovery_interval
@@ -197,7 +215,7 @@ class Discovered:
         say(f"host {index} ({host}) is listed by the discovery script: starting its "
                    f"agent; its {slots} worker(s) join at the others' next commit")
         try:
-            self.f._start(index, coordinator, late=(host, slots))
+            self.f.start_agent(index, coordinator, late=(host, slots))
         except OSError as e:
             self.failed.add(host)
             say(f"error: cannot start the in-place agent of host {index} ({host}): {e}")
