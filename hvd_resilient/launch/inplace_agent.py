@@ -433,7 +433,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
                         "place goes to one of them at once (default 0)")
     p.add_argument("--host-index", type=int, default=None,
                    help="this host's place among the job's hosts (0 coordinates; default: "
-                        "$SLURM_NODEID under srun, else 0)")
+                        "$SLURM_NODEID under srun, $JOB_COMPLETION_INDEX in a Kubernetes "
+                        "Indexed Job, else 0)")
     p.add_argument("--hosts-count", type=int, default=None,
                    help="how many hosts the job starts on (the coordinator waits for each; "
                         "default: $SLURM_NNODES under srun, else 1)")
@@ -465,7 +466,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     a.cmd = worker_command(a.cmd)
     if a.standby < 0:
         raise ConfigError(f"need --standby >= 0, got {a.standby}")
-    _place_under_srun(a, os.environ)
+    _place(a, os.environ)
     job = a.job_nproc = a.job_nproc or a.nproc * a.hosts_count
     if a.nproc < 1 or not 1 <= a.min_np <= job:
         raise ConfigError(f"need --nproc >= 1 and 1 <= --min-np <= the job's size, got "
@@ -483,17 +484,21 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     return a
 
 
-def _place_under_srun(a: argparse.Namespace, env: Mapping[str, str]) -> None:
-    """Under `srun --ntasks-per-node 1` (one agent per node) each agent finds its place in
-    Slurm's variables, so that one command line serves every node (with --etcd: no agent
-    needs another's address)."""
+def _place(a: argparse.Namespace, env: Mapping[str, str]) -> None:
+    """Under `srun --ntasks-per-node 1` (one agent per node), or as a pod of a Kubernetes
+    Indexed Job (one agent per pod, docker/k8s/inplace-indexed-job.yaml), each agent finds its
+    place in the scheduler's variables, so that one command line serves every node (with
+    --etcd: no agent needs another's address)."""
+    slurm = "SLURM_NODEID" in env or "SLURM_NNODES" in env
+    index = "SLURM_NODEID" if slurm else "JOB_COMPLETION_INDEX"
     try:
         if a.host_index is None:
-            a.host_index = int(env.get("SLURM_NODEID", 0))
+            a.host_index = int(env.get(index, 0))
         if a.hosts_count is None:
             a.hosts_count = int(env.get("SLURM_NNODES", 1))
     except ValueError as e:
-        raise ConfigError(f"SLURM_NODEID / SLURM_NNODES must be numbers: {e}") from None
+        raise ConfigError(f"{'SLURM_NODEID / SLURM_NNODES' if slurm else index} must be "
+                          f"numbers: {e}") from None
     if a.address is None:
         a.address = socket.gethostname() if a.hosts_count > 1 else "127.0.0.1"
 

@@ -586,6 +586,31 @@ def test_k8s_pytorchjob_elastic_torchrun():
     check_train_command(["python", *c["args"][1:]])
 
 
+def test_k8s_inplace_indexed_job_one_agent_per_pod_agreed_in_etcd(monkeypatch):
+    """Each pod's agent command, as the kubelet expands it, parses as the agent's own: its
+    place from the completion index, one pod per host, no index run twice."""
+    from hvd_resilient.launch import inplace_agent
+
+    job = k8s("Job", "hvd-resilient-inplace")
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["backoffLimitPerIndex"] == 0
+    assert pod["restartPolicy"] == "Never"
+    (c,) = pod["containers"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert "controller-uid" in env["JOB_UID"]["valueFrom"]["fieldRef"]["fieldPath"]
+    args = [a.replace("$(POD_IP)", "10.1.2.3").replace("$(JOB_UID)", "u1") for a in c["args"]]
+    assert args[:3] == ["python", "-m", "hvd_resilient.launch.inplace_agent"]
+    monkeypatch.delenv("SLURM_NODEID", raising=False)
+    monkeypatch.delenv("SLURM_NNODES", raising=False)
+    monkeypatch.setenv("JOB_COMPLETION_INDEX", "2")
+    a = inplace_agent.parse(args[3:])
+    assert (a.host_index, a.address, a.job) == (2, "10.1.2.3", "u1") and a.etcd
+    assert a.hosts_count == spec["completions"] == spec["parallelism"]
+    assert a.min_np <= a.job_nproc
+    check_train_command(a.cmd)
+
+
 # ---- scripts --------------------------------------------------------------------------------
 SCRIPTS = sorted([*DOCKER.glob("*.sh"), *(DOCKER / "chaos").glob("*.sh")])
 

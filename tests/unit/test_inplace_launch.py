@@ -355,3 +355,18 @@ def test_under_srun_each_agent_finds_its_place(monkeypatch):
     monkeypatch.setenv("SLURM_NODEID", "zero")
     with pytest.raises(ConfigError, match="SLURM_NODEID / SLURM_NNODES must be numbers"):
         inplace_agent.parse(["--nproc", "2", "--etcd", "http://e1:2379", "--", "x"])
+
+
+def test_in_a_kubernetes_indexed_job_each_pods_agent_finds_its_place(monkeypatch):
+    """One agent per pod (docker/k8s/inplace-indexed-job.yaml): the place from the pod's
+    completion index, the count and address from the manifest's flags."""
+    monkeypatch.delenv("SLURM_NODEID", raising=False)
+    monkeypatch.delenv("SLURM_NNODES", raising=False)
+    monkeypatch.setenv("JOB_COMPLETION_INDEX", "1")
+    a = inplace_agent.parse(["--nproc", "2", "--hosts-count", "3", "--address", "10.1.2.3",
+                             "--etcd", "http://etcd:2379", "--", "x"])
+    assert (a.host_index, a.hosts_count, a.job_nproc, a.address) == (1, 3, 6, "10.1.2.3")
+    monkeypatch.setenv("JOB_COMPLETION_INDEX", "one")
+    with pytest.raises(ConfigError, match="JOB_COMPLETION_INDEX must be numbers"):
+        inplace_agent.parse(["--nproc", "2", "--hosts-count", "3", "--etcd", "http://e:2379",
+                             "--", "x"])
