@@ -66,7 +66,6 @@ CONNECT_S = 10.0
 """How long an agent tries to reach host 0's coordinating store at the start."""
 
 
-
 class Left(NamedTuple):
     """A coordinator this agent follows no more: the newest record it published, and whether
     its agent was seen to exit (its connection closed) or only went silent."""
