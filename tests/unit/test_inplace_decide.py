@@ -213,3 +213,25 @@ def test_of_two_sides_of_any_cut_at_most_one_has_a_quorum():
     assert has_quorum({0}, {0, 1}) and not has_quorum({1}, {0, 1})
     assert has_quorum({1, 2}, {0, 1, 2}) and not has_quorum({0}, {0, 1, 2})
     assert has_quorum({1}, {1})  # the others exited (their connections closed)
+
+
+def test_a_late_hosts_workers_join_together_or_after_a_bound():
+    """One move for the members per host that joins, not one per newcomer: the first ready
+    worker waits for its host's others (at most TOGETHER_S)."""
+    from hvd_resilient.launch.inplace.decide import TOGETHER_S
+
+    coord = Coordinator(4, 1, 60.0)
+    started(coord, two_hosts())
+    h2 = 2 * MEMBER_STRIDE
+
+    def look(ready: list[int], now: float) -> list[int] | None:
+        reports = {**two_hosts(), 2: HostReport(alive=[h2, h2 + 1], ready=ready, slots=2,
+                                                late=True)}
+        return coord.step(reports, now, nobody_at_the_door).publish
+
+    assert look([h2 + 1], 1.0) is None
+    assert look([h2 + 1, h2], 1.5) == [0, 1, H1, H1 + 1, h2, h2 + 1]
+    coord = Coordinator(4, 1, 60.0)
+    started(coord, two_hosts())
+    assert look([h2], 1.0) is None
+    assert look([h2], 1.0 + TOGETHER_S) == [0, 1, H1, H1 + 1, h2]

@@ -138,6 +138,11 @@ class Decision:
     """The line the job ends with when it cannot run at all (`HostReport.unadopted`)."""
 
 
+TOGETHER_S = 10.0
+"""How long the first ready worker of a host that joined waits for the others of its host, so
+that the members move once for the host, not once per newcomer."""
+
+
 class Coordinator:
     """The generations' decisions: one instance, on the agent that coordinates."""
 
@@ -150,6 +155,8 @@ class Coordinator:
         self.failed: dict[int, int] = {}
         self._asked_since: float | None = None
         self._said_busy: list[int] = []
+        self._late_since: dict[int, float] = {}
+        """A late host -> when its first worker was seen ready (`TOGETHER_S`)."""
 
     def go_on_from(self, record: Record) -> None:
         """Decides after another coordinator, from the newest generation it published."""
@@ -171,6 +178,17 @@ class Coordinator:
         logger.info("generation %d: members %s", self.generation, members)
         return Decision(publish=members)
 
+    def _late_ready(self, host: int, rep: HostReport, now: float) -> list[int]:
+        """A late host's workers join together, once every one of them is ready (or
+        `TOGETHER_S` after the first was): one move for the members, not one per newcomer."""
+        ready = [m for m in rep.ready if m not in self.members]
+        if not ready:
+            self._late_since.pop(host, None)
+            return []
+        first = self._late_since.setdefault(host, now)
+        unready = [m for m in rep.alive if m not in self.members and m not in rep.ready]
+        return ready if not unready or now - first >= TOGETHER_S else []
+
     def step(self, reports: Mapping[int, HostReport], now: float,
              at_door: Callable[[int, list[int]], set[int]]) -> Decision:
         """One look at every host heard from; ``at_door(g, members)``: which of them wait at
@@ -184,7 +202,7 @@ class Coordinator:
         leaving: set[int] = set()
         stopping = False
         cap = self.nproc
-        for rep in reports.values():
+        for host, rep in reports.items():
             if rep.unadopted:
                 return Decision(end=78, refusal=rep.unadopted)
             alive.update(rep.alive)
@@ -195,7 +213,7 @@ class Coordinator:
                 leaving.update(rep.alive)
             elif rep.late:  # its workers first: the places its slots add are theirs
                 cap += rep.slots
-                ready[:0] = rep.ready
+                ready[:0] = self._late_ready(host, rep, now)
             else:
                 ready.extend(rep.ready)
             self.finished.update(rep.finished)
