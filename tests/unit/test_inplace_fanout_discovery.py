@@ -164,3 +164,17 @@ def test_the_fanout_refuses_a_loopback_name_among_the_first_hosts(script):
     assert r.stderr.strip().splitlines()[-1].endswith(
         "lists localhost, which means each host itself; list this machine by an address the "
         "other hosts reach"), r.stderr
+
+
+def test_one_agents_own_failure_is_no_end_of_the_job_most_agents_ending_is(script):
+    f, d = discovered(script("h1:2\nh2:2\nh3:2\n"))
+    f.agents[1].code = 1  # one follower's own failure: its host only
+    d._reap(0.0)
+    assert d.ending_at is None
+    f.agents[0].code = f.agents[2].code = 1  # the coordinator's end reaches every agent
+    d._reap(1.0)
+    assert d.ending_at == 1.0 + f.a.end_grace
+    f, d = discovered(script("h1:2\nh2:2\nh3:2\n"))
+    f.agents[2].code = 0  # finished: the job is over
+    d._reap(0.0)
+    assert d.ending_at is not None

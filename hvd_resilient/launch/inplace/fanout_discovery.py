@@ -22,9 +22,9 @@ again until the script drops it and lists it again: a broken machine is not rest
 second. Empty output, or a failing call, changes nothing (said once): a transient empty answer
 must not end the job; a host that is really gone is a fault the job answers anyway.
 
-The job's exit code: the first agent (not told to leave) that ends with the job's own code (0,
-or an end the coordinator decided) starts `--end-grace` for the others, as with --hosts; the
-code is the one the survivors end with.
+The job's exit code is the one the survivors end with (`job_code`). Once the job is over (an
+agent says it finished, or most end with the coordinator's code), the others get `--end-grace`
+seconds, as with --hosts, then their stdin is closed.
 """
 
 from __future__ import annotations
@@ -152,16 +152,21 @@ class Discovered:
             if not agent.local and rc == SSH_FAILED:
                 self._once(f"ssh to {agent.name} ended with 255: the connection was lost or "
                            "ssh failed; its workers are gone from the job")
-            elif self._ends_job(code) and self.ending_at is None:
-                self.ending_at = now + self.f.a.end_grace
+        if self.ending_at is None and self._job_ended():
+            self.ending_at = now + self.f.a.end_grace
 
-    def _ends_job(self, code: int) -> bool:
-        """An agent's own end that is the job's: 0 always; with a coordinating agent, any code
-        it ends with that is neither a signal's nor "cut off, the others go on" (with etcd a
-        host's own exit, its lease lost say, ends only that host)."""
-        if code == 0:
+    def _job_ended(self) -> bool:
+        """The job is over once an agent (not told to leave) says it finished (0), or, with a
+        coordinating agent, once most of them ended with a code of the job's own (neither a
+        signal's nor "cut off, the others go on"): the coordinator's end reaches every agent,
+        while one agent's own failure ends only its host. With etcd only 0 counts here (a
+        host's own exit, its lease lost say, ends only that host); the others are waited for."""
+        stay = [a for a in self.f.agents if not a.removed]
+        codes = [self.codes[a.index] for a in stay if a.index in self.codes]
+        if 0 in codes:
             return True
-        return not self.f.a.etcd and code < 128 and code != CUT_OFF_EXIT_CODE
+        own = [c for c in codes if c < 128 and c != CUT_OFF_EXIT_CODE]
+        return not self.f.a.etcd and 2 * len(own) > len(stay)
 
     # -- one call of the script ----------------------------------------------------------------
     def look(self) -> None:
@@ -195,8 +200,8 @@ class Discovered:
 
     def _remove(self, agent: LaunchedAgent) -> None:
         agent.removed = True
-        say(f"{agent.name} is no longer listed by the discovery script: its workers "
-                   "leave at the others' next commit")
+        say(f"{agent.name} is no longer listed by the discovery script: its workers leave at "
+            "the others' next commit")
         agent.send(b"LEAVE\n")
 
     def _add(self, host: str, slots: int) -> None:
