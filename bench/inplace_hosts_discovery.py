@@ -54,10 +54,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 from inplace_recovery import steps  # noqa: E402  (bench/inplace_recovery.py)
 from partition import (  # noqa: E402  (bench/partition.py)
     hosts_unavailable,
-    provenance,
     run_rows,
     stats,
     torn_down,
+    write_results,
 )
 
 from hvd_resilient.events import read_events  # noqa: E402
@@ -222,23 +222,14 @@ def main() -> int:
         [(sc, lambda work, sc=sc: run_once(sc, work, a, rng)) for sc in chosen], a.repeats,
         "hvd-resilient-inplace-hosts-discovery-", a.keep, show_tail)
     summary = {sc: summarize(runs) for sc, runs in results.items()}
-    print()
-    print(table(summary))
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({
-        **provenance(),
-        "settings": {"slots": SLOTS, "change_after_step": CHANGE_AFTER_STEP,
-                     "max_steps": a.max_steps, "timeout": a.timeout,
-                     "recover_timeout": a.recover_timeout, "seed": a.seed,
-                     "repeats": a.repeats},
-        "targets": {"join_stall_s": STALL_TARGET},
-        "load_before": load_before, "load_after": os.getloadavg()[0],
-        "wall_s": round(time.time() - t_start, 1), "interrupted": interrupted,
-        "summary": summary, "runs": results}, indent=1) + "\n")
-    print(f"\nwrote {a.out}")
-    failed = [r for rs in results.values() for r in rs
-              if "error" in r or r.get("teardown") != "clean" or not r.get("digests_equal")]
-    return 130 if interrupted else (1 if failed else 0)
+    return write_results(
+        a.out, results, summary, table(summary),
+        {"settings": {"slots": SLOTS, "change_after_step": CHANGE_AFTER_STEP,
+                      "max_steps": a.max_steps, "timeout": a.timeout,
+                      "recover_timeout": a.recover_timeout, "seed": a.seed,
+                      "repeats": a.repeats},
+         "targets": {"join_stall_s": STALL_TARGET}},
+        interrupted=interrupted, t_start=t_start, load_before=load_before)
 
 
 if __name__ == "__main__":

@@ -494,6 +494,29 @@ def torn_down(scenario: str, work: Path,
     return out
 
 
+def write_results(out: str, results: dict[str, list[dict[str, Any]]],
+                  summary: dict[str, Any], table: str, header: dict[str, Any], *,
+                  interrupted: bool, t_start: float, load_before: float,
+                  needs_digests: bool = True) -> int:
+    """A multi-host bench's end: its table printed, its JSON written (`provenance`, then
+    ``header``: the settings and targets, then the load, wall time, summary and every run),
+    and its exit code: 130 interrupted, 1 when a run failed, was not torn down cleanly or (with
+    ``needs_digests``) did not end with equal digests, else 0."""
+    print()
+    print(table)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps({
+        **provenance(), **header,
+        "load_before": load_before, "load_after": os.getloadavg()[0],
+        "wall_s": round(time.time() - t_start, 1), "interrupted": interrupted,
+        "summary": summary, "runs": results}, indent=1) + "\n")
+    print(f"\nwrote {out}")
+    failed = [r for rs in results.values() for r in rs
+              if "error" in r or r.get("teardown") != "clean"
+              or (needs_digests and not r.get("digests_equal"))]
+    return 130 if interrupted else (1 if failed else 0)
+
+
 def run_rows(rows: list[tuple[str, Callable[[Path], dict[str, Any]]]], repeats: int,
              prefix: str, keep: bool, show_tail: Callable[[str, Any], None],
              ) -> tuple[dict[str, list[dict[str, Any]]], bool]:

@@ -113,10 +113,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 from inplace_recovery import steps  # noqa: E402  (bench/inplace_recovery.py)
 from partition import (  # noqa: E402  (bench/partition.py)
     hosts_unavailable,
-    provenance,
     run_rows,
     stats,
     teardown,
+    write_results,
 )
 
 from hvd_resilient.events import read_events  # noqa: E402
@@ -484,11 +484,7 @@ def main() -> int:
          for sc in chosen for stack in stacks], a.repeats, "hvd-resilient-torchrun-hosts-",
         a.keep, show_tail)
     summary = {row: summarize(runs) for row, runs in results.items()}
-    print()
-    print(table(summary))
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({
-        **provenance(),
+    return write_results(a.out, results, summary, table(summary), {
         "settings": {"hosts": HOSTS, "slots": SLOTS, "nnodes": NNODES,
                      "max_restarts": MAX_RESTARTS, "commit_every": COMMIT_EVERY,
                      "checkpoint_every": CHECKPOINT_EVERY,
@@ -497,14 +493,8 @@ def main() -> int:
                      "step_time": STEP_TIME, "timeout": a.timeout,
                      "recover_timeout": a.recover_timeout, "seed": a.seed,
                      "repeats": a.repeats},
-        "in_place": IN_PLACE,
-        "load_before": load_before, "load_after": os.getloadavg()[0],
-        "wall_s": round(time.time() - t_start, 1), "interrupted": interrupted,
-        "summary": summary, "runs": results}, indent=1) + "\n")
-    print(f"\nwrote {a.out}")
-    failed = [r for rs in results.values() for r in rs
-              if "error" in r or r.get("teardown") != "clean"]
-    return 130 if interrupted else (1 if failed else 0)
+        "in_place": IN_PLACE}, interrupted=interrupted, t_start=t_start,
+        load_before=load_before, needs_digests=False)
 
 
 if __name__ == "__main__":

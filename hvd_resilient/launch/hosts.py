@@ -51,6 +51,15 @@ def discover_hosts(script: str, timeout: float = 10.0, when: str = "") -> dict[s
         raise LaunchError(f"discovery script {script} printed {e}") from None
 
 
+def first_discovered(script: str) -> dict[str, int]:
+    """The script's first answer, before anything starts: LaunchError, one line, when it cannot
+    run, fails, prints what Horovod would misread, or lists no host."""
+    found = discover_hosts(script, when=" on its first call")
+    if not found:
+        raise LaunchError(f"discovery script {script} printed no hosts: no slots to run on")
+    return found
+
+
 def hosts_arg(hosts: list[tuple[str, int]]) -> str:
     """The launchers' own spelling (`-H h1:2,h2:1`)."""
     return ",".join(f"{h}:{n}" for h, n in hosts)

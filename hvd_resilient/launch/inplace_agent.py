@@ -196,10 +196,7 @@ class Agent:
         """This host was removed and its workers are gone: the agent exits (`CUT_OFF_EXIT_CODE`:
         the others go on). Never returns, for the reason `_stop_here` gives."""
         logger.info("this host's workers have left the job: the agent exits")
-        self.host.finish()
-        logging.shutdown()
-        sys.stdout.flush()
-        os._exit(CUT_OFF_EXIT_CODE)
+        self._exit_now()
 
     def _carry_out(self, cluster: Coordinating, d: Decision, heard: list[int],
                    leaving: Collection[int] = ()) -> int | None:
@@ -276,9 +273,13 @@ class Agent:
         and when none does the job is relaunched); never returns (see `_follow_one`)."""
         logger.error("%s: ending this host's workers", why)
         self.host.end_all()
+        self._exit_now()
+
+    def _exit_now(self) -> NoReturn:
+        """Waits for this host's workers, then exits `CUT_OFF_EXIT_CODE` at once. Not a return:
+        a hearing thread may be inside a store call that never ends, and the interpreter's exit
+        would abort on it (std::terminate)."""
         self.host.finish()
-        # not a return: a hearing thread may be inside a store call that never ends, and the
-        # interpreter's exit would abort on it (std::terminate)
         logging.shutdown()
         sys.stdout.flush()
         os._exit(CUT_OFF_EXIT_CODE)

@@ -30,12 +30,11 @@ seconds, as with --hosts, then their stdin is closed.
 from __future__ import annotations
 
 import argparse
-import logging
 import time
 from typing import Protocol
 
 from hvd_resilient.errors import CUT_OFF_EXIT_CODE, LaunchError
-from hvd_resilient.launch.hosts import discover_hosts, is_loopback
+from hvd_resilient.launch.hosts import discover_hosts, first_discovered, is_loopback
 from hvd_resilient.launch.inplace.launched import (
     SSH_FAILED,
     LaunchedAgent,
@@ -45,7 +44,6 @@ from hvd_resilient.launch.inplace.launched import (
     say,
 )
 
-logger = logging.getLogger(__name__)
 LOOK_S = 0.1
 """How often the agents' exits are looked at between two calls of the script."""
 
@@ -54,10 +52,7 @@ def first_hosts(script: str, max_np: int | None) -> list[tuple[str, int]]:
     """The hosts the job starts on: the script's first answer, in its order, up to --max-np
     slots (the host that passes it gets what is left). LaunchError, one line, when the script
     fails or lists no host."""
-    found = discover_hosts(script, when=" on its first call")
-    if not found:
-        raise LaunchError(f"discovery script {script} printed no hosts: no slots to run on")
-    return trim(list(found.items()), max_np)
+    return trim(list(first_discovered(script).items()), max_np)
 
 
 def trim(hosts: list[tuple[str, int]], room: int | None) -> list[tuple[str, int]]:
@@ -71,13 +66,19 @@ def trim(hosts: list[tuple[str, int]], room: int | None) -> list[tuple[str, int]
     return out
 
 
+def _own(code: int) -> bool:
+    """An agent's exit code that is the job's own: neither a signal's (or ssh's 255) nor "cut
+    off, the others go on"."""
+    return code < 128 and code != CUT_OFF_EXIT_CODE
+
+
 def job_code(codes: list[int]) -> int:
     """The job's code from the agents' own (those told to leave left out): 0 when any says the
     job finished, else the first that is the job's own (not a signal's, not "cut off, the
     others go on"), else cut off (restartable), else 1."""
     if 0 in codes:
         return 0
-    own = [c for c in codes if c < 128 and c != CUT_OFF_EXIT_CODE]
+    own = [c for c in codes if _own(c)]
     if own:
         return own[0]
     return CUT_OFF_EXIT_CODE if CUT_OFF_EXIT_CODE in codes else (codes[0] if codes else 1)
@@ -165,8 +166,7 @@ class Discovered:
         codes = [self.codes[a.index] for a in stay if a.index in self.codes]
         if 0 in codes:
             return True
-        own = [c for c in codes if c < 128 and c != CUT_OFF_EXIT_CODE]
-        return not self.f.a.etcd and 2 * len(own) > len(stay)
+        return not self.f.a.etcd and 2 * sum(map(_own, codes)) > len(stay)
 
     # -- one call of the script ----------------------------------------------------------------
     def look(self) -> None:

@@ -222,9 +222,14 @@ class HostAgent:
         """The run is over (or stopping): workers that never joined hold nothing; they are
         waiting for a generation that will not come."""
         self.finishing = True
+        self._end_non_members("the run is over")
+
+    def _end_non_members(self, why: str) -> None:
+        """Ends this host's workers that are no members (standbys, newcomers not taken in):
+        they hold nothing."""
         for m, p in self.alive.items():
             if m not in self.members and m not in self._ended and p.poll() is None:
-                logger.info("ending standby member %d: the run is over", m)
+                logger.info("ending standby member %d: %s", m, why)
                 p.kill()
                 self._ended.add(m)
 
@@ -238,10 +243,7 @@ class HostAgent:
         self.leaving = True
         logger.warning("this host is removed from the job: its members leave at the others' "
                        "next commit")
-        for m, p in self.alive.items():
-            if m not in self.members and m not in self._ended and p.poll() is None:
-                p.kill()
-                self._ended.add(m)
+        self._end_non_members("this host is removed")
 
     def end_all(self, refusal: bool = False) -> None:
         """The job is over here: every worker left is ended (``refusal``: killed mid-traceback,

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
-from hvd_resilient.errors import ConfigError, LaunchError
+from hvd_resilient.errors import ConfigError
 from hvd_resilient.launch.horovod.command import (
     ElasticLaunch,
     horovodrun_command,
@@ -27,7 +27,7 @@ from hvd_resilient.launch.horovod.command import (
 from hvd_resilient.launch.horovod.options import DriverSwitches, driver_env, interval_refusal
 from hvd_resilient.launch.hosts import (
     check_hosts_reachable,
-    discover_hosts,
+    first_discovered,
     hosts_arg,
     parse_hosts,
 )
@@ -59,13 +59,6 @@ class HorovodOptions(DriverSwitches, HorovodrunOptions):
     """Options of `--launcher horovod` only: horovodrun's own, then the driver's switches
     (one declaration for the flag and the variable the driver reads), in that order: a
     dataclass lists the fields of its last base first."""
-
-
-def check_discovery(script: str) -> None:
-    """Horovod would retry a failing discovery script for minutes, and die with a traceback on
-    output it cannot parse; fail at once, with one line, instead."""
-    if not discover_hosts(script, when=" on its first call"):
-        raise LaunchError(f"discovery script {script} printed no hosts: no slots to run on")
 
 
 class Horovod:
@@ -120,7 +113,9 @@ class Horovod:
 
     def probe(self, opts: RunOptions) -> None:
         if opts.discovery:
-            check_discovery(opts.discovery)
+            # Horovod would retry a failing script for minutes, and die with a traceback on
+            # output it cannot parse: one line now instead
+            first_discovered(opts.discovery)
         if opts.hosts:
             check_hosts_reachable(parse_hosts(opts.hosts), opts.ssh_port)
 
