@@ -92,6 +92,11 @@ class World(Protocol):
     @property
     def failure_budget(self) -> int | None: ...
 
+    @property
+    def may_skip_sync(self) -> bool:
+        """Whether a change may come with `Fault.skip_sync`: then every start agrees first
+        whether all ranks skip (a newcomer never does)."""
+
     def rank(self) -> int: ...
 
     def size(self) -> int: ...
@@ -156,6 +161,7 @@ class FormOnce:
 
     hangup: GlooWatch | None = None
     failure_budget: int | None = None
+    may_skip_sync = False
 
     def generation(self) -> int | None:
         return None
@@ -194,6 +200,10 @@ def run(world: World, state: TrainingState, train: Callable[[], T]) -> T:
     return _Loop(world, state).run(train)
 
 
+def _armed_already(everyone: list[Any]) -> None:
+    """The sync's `arm` where the start's own allgather armed the detectors."""
+
+
 def resources() -> dict[str, int]:
     """What a world could leak, counted at every reset (50 in a row must stay flat)."""
     return {"threads": threading.active_count(), "fds": len(os.listdir("/proc/self/fd")),
@@ -230,16 +240,26 @@ class _Loop:
             world.detectors.disarm()
 
     def _start(self, skip_sync: bool) -> None:
-        """Arms the detectors and syncs (unless only hosts were removed: then every survivor
-        holds the same commit and one allgather arms them)."""
+        """Arms the detectors and syncs, unless only hosts were removed: then every survivor
+        holds the same commit and one allgather arms them. Skipping is agreed: the world
+        formed after a removal may also hold a newcomer (Horovod's driver readmits a host
+        whose cooldown ended at that rendezvous), which syncs; survivors that skipped would
+        train into its sync's broadcasts and both sides wait for good (Horovod #3494). So
+        where a world may skip, every start's first allgather also says who would, and all
+        skip or all sync: one allgather more where some sync."""
         world = self.world
         with progress.section("sync", None):  # waits for joiners, as long as it takes
-            rider = (world.detectors.offers(world.rank()), world.machine())
-            if skip_sync:
-                self._arm(world.allgather(rider))
-                return
+            rider: Any = (world.detectors.offers(world.rank()), world.machine())
+            if world.may_skip_sync:
+                everyone = world.allgather((rider, skip_sync))
+                self._arm([r for r, _ in everyone])
+                if all(skips for _, skips in everyone):
+                    return
+                rider, arm = None, _armed_already
+            else:  # a world that never skips: the rider travels in the sync's first allgather
+                arm = self._arm
             t0 = time.time()
-            world.sync(self.state, rider, self._arm)
+            world.sync(self.state, rider, arm)
             self.state.events.emit(ev.SYNC, seconds=round(time.time() - t0, 6))
 
     def _arm(self, everyone: list[Any]) -> None:

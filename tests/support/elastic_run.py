@@ -112,7 +112,10 @@ class ElasticRun:
 
     # -- the checks every scenario makes --------------------------------------------------
     def check(self, expected_sizes: list[int], timeout: float = 240.0) -> dict:
-        code = self.job.wait(timeout)
+        try:
+            code = self.job.wait(timeout)
+        except AssertionError as e:  # a hang: the output's tail is one rank's stacks at best
+            raise AssertionError(f"{e}\n{self.story()}") from None
         assert code == 0, f"job exited {code}:\n{self.job.output()[-4000:]}"
         assert sizes_seen(self.run) == expected_sizes, (
             f"rank 0 saw sizes {sizes_seen(self.run)}, expected {expected_sizes}")
@@ -125,6 +128,19 @@ class ElasticRun:
             assert 0 <= r["lost_steps"] <= self.commit_every, (
                 f"lost more than one commit interval ({self.commit_every} steps): {r}")
         return {"epochs_checked": epochs}
+
+    def story(self, last: int = 40) -> str:
+        """The run's last events, one short line each, relative to the first mark: what every
+        rank did before a job hung (its output's tail holds one rank's stacks at best)."""
+        t0 = min(self.marks.values(), default=0.0)
+        evs = self.events()
+        commits = [e for e in evs if e["event"] == "commit"]
+        lines = []
+        for e in [e for e in evs if e["event"] != "commit"][-last:] + commits[-1:]:
+            rest = {k: v for k, v in e.items()
+                    if k not in ("ts", "event", "run_id", "lease_epoch", "params_sha256")}
+            lines.append(f"{e['ts'] - t0:+8.2f} {e['event']} {json.dumps(rest)[:160]}")
+        return "last events (seconds after the fault):\n" + "\n".join(lines)
 
     def timings(self, fault_key: str = "fault") -> dict[str, Any]:
         """Seconds from the fault to what followed, read from the events."""

@@ -16,7 +16,8 @@ import pytest
 from hvd_resilient.errors import CUT_OFF_EXIT_CODE, ConfigError, LaunchError
 from hvd_resilient.launch.cli import build_parser, resolve
 from hvd_resilient.launch.inplace import fanout
-from hvd_resilient.launch.inplace.fanout_discovery import Discovered, first_hosts, job_code, trim
+from hvd_resilient.launch.inplace.fanout_discovery import Discovered, first_hosts, trim
+from hvd_resilient.launch.inplace.launched import job_code
 
 
 class Agent:

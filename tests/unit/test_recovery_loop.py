@@ -111,6 +111,10 @@ class World:
         self.leaving_slot: str | None = None
         self.tear_down_s = 0.0
         self.torn_down = threading.Event()
+        self.may_skip_sync = False  # True: as Horovod's elastic world
+        self.newcomers = 0
+        """Ranks of the next formed world that are new: they never skip the sync."""
+        self.armed_with: list[list[Any]] = []
 
     def _point(self, name: str) -> None:
         self.calls.append(name)
@@ -130,7 +134,11 @@ class World:
         return "m1"
 
     def allgather(self, obj: Any) -> list[Any]:
+        """This rank's `obj` from the survivors; a newcomer's start says it syncs."""
         self.calls.append("allgather")
+        new = min(self.newcomers, self._size - 1)
+        if new and isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[1], bool):
+            return [obj] * (self._size - new) + [(obj[0], False)] * new
         return [obj] * self._size
 
     def sync(self, state: Any, rider: Any, arm: Callable[[list[Any]], None]) -> None:
@@ -384,6 +392,7 @@ def test_a_worker_whose_slot_the_change_removed_leaves_with_the_worlds_code(sect
 
 def test_hosts_removed_only_restore_nothing_and_arm_without_a_sync(sections):
     world = World()
+    world.may_skip_sync = True
     state = State(world.calls)
     assert recovery.run(world, state, script(world, state, Change(skip_sync=True), "done")) \
         == "done"
@@ -394,6 +403,36 @@ def test_hosts_removed_only_restore_nothing_and_arm_without_a_sync(sections):
     assert world.calls[i:i + 4] == ["changed", "tear_down", "form", "rejoined"]
     (reset,) = state.events.of("reset")
     assert reset["new_size"] == 3 and reset["joined"] is False
+
+
+def test_hosts_removed_but_a_newcomer_in_the_new_world_every_rank_syncs(sections):
+    """Horovod's driver may readmit a host at the rendezvous that follows a removal: the
+    newcomer syncs, so the survivors must too, or both sides wait for good (Horovod #3494)."""
+    world = World()
+    world.may_skip_sync = True
+    state = State(world.calls)
+    run = script(world, state, Change(skip_sync=True), "done")
+
+    def form(fault: Fault) -> None:
+        world._point("form")
+        world.newcomers = 1  # the readmitted host's worker is in the world formed
+    world.form = form  # type: ignore[method-assign]
+    assert recovery.run(world, state, run) == "done"
+    assert state.events.names() == ["watch", "sync", "reset", "watch", "sync"]
+    assert world.calls.count("sync") == 2, "the survivor skipped the sync the newcomer runs"
+    i = world.calls.index("rejoined")
+    assert [c for c in world.calls[i:] if not c.startswith("event:")][:6] == [
+        "rejoined", "allgather", "arm:connections", "arm:heartbeats", "allgather", "sync"], \
+        "armed once, from the start's allgather, then the sync"
+
+
+def test_a_world_that_never_skips_syncs_after_a_removal_in_one_allgather(sections):
+    world = World()
+    world.may_skip_sync = False
+    state = State(world.calls)
+    recovery.run(world, state, script(world, state, Change(skip_sync=True), "done"))
+    assert state.events.names() == ["watch", "sync", "reset", "watch", "sync"]
+    assert world.calls.count("allgather") == 2, "the rider rides in the sync's allgather"
 
 
 def test_a_join_syncs_the_newcomer_and_says_joined(sections):

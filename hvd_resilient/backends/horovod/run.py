@@ -168,6 +168,7 @@ class _ElasticWorld(_HorovodWorld):
     found a host change (`HostsUpdatedInterrupt`)."""
 
     failure_budget = None  # Horovod's driver stops a job whose hosts keep failing
+    may_skip_sync = True  # HostsUpdatedInterrupt.skip_sync: only hosts were removed
 
     def __init__(self, state: ElasticState, heartbeat_timeout_s: float) -> None:
         self.hangup = gloo = GlooWatch()

@@ -76,6 +76,7 @@ class _Generations(TorchDistWorld):
     the agent publishes; a fault or a join moves every member to the next one."""
 
     failure_budget = MAX_FAILED_GENERATIONS
+    may_skip_sync = False  # its moves never skip the sync
     backend: InPlaceBackend
 
     def __init__(self, backend: InPlaceBackend, m: Membership, state: InPlaceState) -> None:

@@ -67,6 +67,7 @@ from hvd_resilient.launch.inplace.launched import (
     Passthrough,
     end,
     exit_code,
+    job_code,
     say,
 )
 
@@ -263,7 +264,8 @@ class Fanout:
     def _wait_agreed(self, out: Passthrough, *, quiet: bool = False) -> int:
         """With etcd any host may be lost and the job go on: every agent is waited for, and
         the job's code is the one the survivors ended with (they all end with the leader's
-        decision); 0 when any agent says the job finished."""
+        decision): `job_code`, as with a discovery script. A cut-off host's "the others go on"
+        is not the job's code when the others ended with one of their own."""
         codes = []
         for agent in self.agents:
             code = agent.proc.wait()
@@ -275,9 +277,7 @@ class Fanout:
             codes.append(exit_code(code))
         out.thread.join(timeout=PASS_JOIN_S)
         end(self.agents)
-        if 0 in codes:
-            return 0
-        return next((c for c in codes if c < 128), codes[0] if codes else 1)
+        return job_code(codes)
 
     def _watch(self, agent: LaunchedAgent) -> None:
         if agent.proc.wait() == SSH_FAILED:

@@ -33,7 +33,7 @@ import argparse
 import time
 from typing import Protocol
 
-from hvd_resilient.errors import CUT_OFF_EXIT_CODE, LaunchError
+from hvd_resilient.errors import LaunchError
 from hvd_resilient.launch.hosts import discover_hosts, first_discovered, is_loopback
 from hvd_resilient.launch.inplace.launched import (
     SSH_FAILED,
@@ -41,6 +41,8 @@ from hvd_resilient.launch.inplace.launched import (
     Passthrough,
     end,
     exit_code,
+    job_code,
+    own_code,
     say,
 )
 
@@ -64,24 +66,6 @@ def trim(hosts: list[tuple[str, int]], room: int | None) -> list[tuple[str, int]
             break
         out.append((host, take))
     return out
-
-
-def _own(code: int) -> bool:
-    """An agent's exit code that is the job's own: neither a signal's (or ssh's 255) nor "cut
-    off, the others go on"."""
-    return code < 128 and code != CUT_OFF_EXIT_CODE
-
-
-def job_code(codes: list[int]) -> int:
-    """The job's code from the agents' own (those told to leave left out): 0 when any says the
-    job finished, else the first that is the job's own (not a signal's, not "cut off, the
-    others go on"), else cut off (restartable), else 1."""
-    if 0 in codes:
-        return 0
-    own = [c for c in codes if _own(c)]
-    if own:
-        return own[0]
-    return CUT_OFF_EXIT_CODE if CUT_OFF_EXIT_CODE in codes else (codes[0] if codes else 1)
 
 
 class Launch(Protocol):
@@ -166,7 +150,7 @@ class Discovered:
         codes = [self.codes[a.index] for a in stay if a.index in self.codes]
         if 0 in codes:
             return True
-        return not self.f.a.etcd and 2 * sum(map(_own, codes)) > len(stay)
+        return not self.f.a.etcd and 2 * sum(map(own_code, codes)) > len(stay)
 
     # -- one call of the script ----------------------------------------------------------------
     def look(self) -> None:

@@ -15,6 +15,8 @@ import time
 from collections.abc import Sequence
 from typing import IO
 
+from hvd_resilient.errors import CUT_OFF_EXIT_CODE
+
 COORDINATOR_LINE = "hvd-resilient-coordinator"
 """What host 0's agent prints, followed by ``HOST:PORT``, once its store listens."""
 AGENT_LINE = "hvd-resilient-agent"
@@ -31,6 +33,24 @@ END_WAIT_S = 10.0
 def exit_code(returncode: int) -> int:
     """A process killed by signal N exits 128 + N, as a shell says."""
     return returncode if returncode >= 0 else 128 - returncode
+
+
+def own_code(code: int) -> bool:
+    """An agent's exit code that is the job's own: neither a signal's (or ssh's 255) nor "cut
+    off, the others go on"."""
+    return code < 128 and code != CUT_OFF_EXIT_CODE
+
+
+def job_code(codes: list[int]) -> int:
+    """The job's code from the agents' own (those told to leave left out): 0 when any says the
+    job finished, else the first that is the job's own (not a signal's, not "cut off, the
+    others go on"), else cut off (restartable), else 1."""
+    if 0 in codes:
+        return 0
+    own = [c for c in codes if own_code(c)]
+    if own:
+        return own[0]
+    return CUT_OFF_EXIT_CODE if CUT_OFF_EXIT_CODE in codes else (codes[0] if codes else 1)
 
 
 def say(line: str) -> None:
