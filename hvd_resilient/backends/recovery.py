@@ -69,6 +69,12 @@ class Evicted(HvdResilientError):
     The loop exits it as a hung worker, without writing anything beside the survivors."""
 
 
+class Left(HvdResilientError):
+    """Raised by `World.form`: the next world leaves this worker out because its host was
+    removed from the job (a fault came first, so no commit's move said so). The loop lets it
+    leave as at a move: `left_job`, exit code 0. The message is the slot."""
+
+
 class GenerationsFailed(HvdResilientError):
     """Worlds keep failing before their first commit: the fault is not a peer's, and a restart
     would fail the same way, so the job stops with one line (exit 78, not relaunched)."""
@@ -144,7 +150,8 @@ class World(Protocol):
         """Drops the old world locally (its peers were hung up on, or met at the change)."""
 
     def form(self, fault: Fault) -> None:
-        """Joins the next world that holds this worker; raises `Evicted` when none does."""
+        """Joins the next world that holds this worker; raises `Evicted` when none does
+        (`Left` when its host was removed)."""
 
     def rejoined(self, state: TrainingState) -> None:
         """The state's own reset into the new world (or a note to run it at the next sync)."""
@@ -323,13 +330,16 @@ class _Loop:
         world.changed(fault)  # a collective hand-over keeps the step budget
         slot = world.leaving()
         if slot is not None:
-            self.state.events.emit(ev.LEFT_JOB, slot=slot)
-            logger.info("slot %s left the job (discovery no longer lists it); this worker exits",
-                        slot)
+            self._left(slot)
             with progress.section("leaving", None):  # the rendezvous waits as long as a reset's
                 code = world.leave(slot)
             raise SystemExit(code)
         return detected
+
+    def _left(self, slot: str) -> None:
+        self.state.events.emit(ev.LEFT_JOB, slot=slot)
+        logger.info("slot %s left the job (discovery no longer lists it); this worker exits",
+                    slot)
 
     def _reset(self, fault: Fault, since: float) -> None:
         """Leaves the old world for the next one. Where a reset's time goes: the teardown
@@ -345,6 +355,9 @@ class _Loop:
                 world.form(fault)
             except Evicted as e:
                 _exit_evicted(str(e))
+            except Left as e:  # the old world is torn down already: nothing more to leave
+                self._left(str(e))
+                raise SystemExit(0) from None
             t2 = time.time()
             world.rejoined(state)
         gen = world.generation()

@@ -89,11 +89,13 @@ class DiscoveredRun:
         return {e["pid"] for e in self.of("start") if e["pid"] in mine}
 
 
-def assert_final_world(run: DiscoveredRun, size: int, starts: int) -> None:
+def assert_final_world(run: DiscoveredRun, size: int, starts: int, *,
+                       restored: bool = False) -> None:
     evs = events(run.log)
     started = [e for e in evs if e["event"] == "start"]
     assert len(started) == starts, f"a worker was (re)started: {len(started)} starts"
-    assert not [e for e in evs if e["event"] == "restore"], "a change restored a commit"
+    if not restored:
+        assert not [e for e in evs if e["event"] == "restore"], "a change restored a commit"
     done = {e["rank"]: e for e in evs if e["event"] == "done" and "digests" in e}
     assert sorted(done) == list(range(size)), sorted(done)
     first = done[0]["digests"]
@@ -145,3 +147,30 @@ def test_the_coordinating_host_dropped_leaves_and_host_1_coordinates(chaos):
     assert "host 1 coordinates from generation" in run.job.output(), run.job.output()[-4000:]
     assert_final_world(run, 4, starts=6)
     print(json.dumps({"scenario": "discovery-coordinator", "leave_first_commit_s": left}))
+
+
+def test_a_host_dropped_while_a_worker_dies_elsewhere_leaves_and_the_rest_goes_on(chaos):
+    """Host 1 is dropped at the moment a worker of host 2 is killed: host 1's workers may
+    first answer the fault with the others, so the generation that leaves them out may come
+    after a failure instead of at a commit. Either way they leave (exit 0, `left_job`), are not
+    evicted, and the three left train on from the last commit."""
+    c = chaos.cluster(3)
+    h0, h1, h2 = c.hosts
+    run = DiscoveredRun(chaos, c, "inplace-discovery-fault", [h0, h1, h2], max_steps=200)
+    run.wait_commits(3)
+    leaving = run.workers_on(h1)
+    victim = sorted(run.workers_on(h2))[0]
+    t = run.list([h0, h2])
+    c.kill_pid(victim)
+    after = run.wait_size(3, t)
+    assert run.job.wait(240) == 0, run.job.output()[-4000:]
+    assert not set(c.pids(h1)) & leaving, "host 1's workers did not exit"
+    assert_final_world(run, 3, starts=6, restored=True)
+    evs = events(run.log)
+    left = [e for e in evs if e["event"] == "left_job"]
+    assert sorted(e["slot"] for e in left) == ["1000000", "1000001"], left  # host 1's members
+    out = run.job.output()
+    assert "without writing" not in out and "(code 77)" not in out, out[-4000:]  # no eviction
+    print(json.dumps({"scenario": "discovery-leave-in-a-fault", "first_commit_at_3_s": after,
+                      "left_at_size": sorted({e["size"] for e in left})}))
+

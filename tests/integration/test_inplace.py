@@ -113,7 +113,14 @@ def test_fifty_generations_in_one_process_leak_no_thread_fd_or_memory(tmp_path, 
     assert {e["new_size"] for e in resets} == {3}
     early, late = resets[4], resets[-1]
     assert late["threads"] == early["threads"], (early, late)
-    assert late["fds"] == early["fds"], (early, late)
+    # Rank 0's descriptors cycle with the rank severed (s % 3: 18, 18, 14 here), and now and
+    # then one is still closing at a reset (19): a leak raises the floor of each phase, a
+    # descriptor in flight does not.
+    def floors(rs: list[dict]) -> list[int]:
+        return [min(e["fds"] for e in rs[p::3]) for p in range(3)]
+    grown = [late_fd > early_fd for late_fd, early_fd in
+             zip(floors(resets[39:48]), floors(resets[3:12]), strict=True)]
+    assert not any(grown), [e["fds"] for e in resets]
     assert late["rss_bytes"] - early["rss_bytes"] < 32 * 2**20, (early, late)
     done = trainer_done(run)
     assert sorted(done) == [0, 1, 2]

@@ -221,7 +221,8 @@ from hvd_resilient.backends.inplace import membership as m
 me = m.Membership(30.0)
 me.enter(-1, datetime.timedelta(seconds=300))
 gloo = dist.group.WORLD._get_backend(torch.device("cpu"))
-print(me.generation, dist.get_world_size(), int(gloo.options._timeout.total_seconds()))
+print(me.generation, dist.get_world_size(), int(gloo.options._timeout.total_seconds()),
+      dist.group.WORLD.group_name)
 """
 
 
@@ -230,7 +231,8 @@ def test_a_member_that_dies_after_the_door_costs_the_others_no_timeout(tmp_path)
     in the formation for keys that never come. Once the agent publishes the next generation
     (it counts members at the door, not through it, as asking), member 0 must give the
     formation up at once and form that one, not wait out the process-group timeout (300 s);
-    its group then has the collectives' own timeout again."""
+    its group then has the collectives' own timeout again, and the name ("0") every member
+    that never tried generation 0 gives its group: the group's store keys start with it."""
     import subprocess
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -259,7 +261,7 @@ def test_a_member_that_dies_after_the_door_costs_the_others_no_timeout(tmp_path)
     finally:
         proc.kill()
         proc.wait()
-    assert out.split() == ["1", "1", "300"], out
+    assert out.split() == ["1", "1", "300", "0"], out
     assert store.check([membership.formed_key(1, 0)])
 
 
@@ -370,3 +372,17 @@ def test_in_a_kubernetes_indexed_job_each_pods_agent_finds_its_place(monkeypatch
     with pytest.raises(ConfigError, match="JOB_COMPLETION_INDEX must be numbers"):
         inplace_agent.parse(["--nproc", "2", "--hosts-count", "3", "--etcd", "http://e:2379",
                              "--", "x"])
+
+
+def test_a_removed_hosts_workers_read_that_their_host_leaves():
+    """After a fault the next generation leaves a removed host's members out as it would an
+    evicted one's: the flag on their own agent's store tells the two apart (`recovery.Left`)."""
+    from hvd_resilient.launch.inplace.host_agent import HostAgent
+
+    agent = HostAgent(["true"], 0, host_index=2)
+    env = {membership.AGENT_ENV: agent.address, membership.MEMBER_ENV: "2000000"}
+    agent.store.set("joins", "1")
+    m = membership.Membership(10.0, env)
+    assert not m.host_leaving()
+    agent.leave()
+    assert m.host_leaving() and agent.leaving

@@ -294,6 +294,20 @@ def test_evicted_in_forming_the_next_world_exits_as_hung_without_a_reset(section
     assert not world.hangup.armed and not world.beats.armed
 
 
+def test_left_out_of_the_next_world_by_its_hosts_removal_leaves_with_0(sections, exits):
+    """A fault came before the commit at which the removed host's workers would have left:
+    the next world leaves them out all the same, and that is their leave, not an eviction."""
+    world = World()
+    world.fail["form"] = [recovery.Left("2000001")]
+    state = State(world.calls)
+    with pytest.raises(SystemExit) as left:
+        recovery.run(world, state, script(world, state, Boom("gloo")))
+    assert left.value.code == 0 and exits == []
+    assert state.events.names() == ["watch", "sync", "failure_detected", "left_job"]
+    assert state.events.of("left_job") == [{"slot": "2000001"}]
+    assert not world.hangup.armed and not world.beats.armed
+
+
 def test_another_error_in_forming_ends_the_run_disarmed(sections):
     world = World()
     world.fail["form"] = [RuntimeError("rendezvous closed")]

@@ -123,8 +123,8 @@ class _Generations(TorchDistWorld):
     def leaving(self) -> str | None:
         """At a commit's move only: the newest generation goes on without this worker (its
         host was removed, `HostAgent.leave`), which leaves with exit code 0 and writes
-        nothing more; a worker left out after a fault was found silent, and its agent ends
-        it."""
+        nothing more. After a fault, `form` tells the same leave (`recovery.Left`) from an
+        eviction (a worker found silent, which its agent ends)."""
         if not self._moving or not self.m.left_out():
             return None
         return str(self.m.me)
@@ -147,6 +147,8 @@ class _Generations(TorchDistWorld):
         try:
             m.enter(old_gen, self.backend.pg_timeout)
         except Fenced as e:
+            if m.host_leaving():  # a fault came before the commit this host would leave at
+                raise recovery.Left(str(m.me)) from e
             raise recovery.Evicted(str(e)) from e
 
     def rejoined(self, state: TrainingState) -> None:

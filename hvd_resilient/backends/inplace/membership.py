@@ -21,7 +21,8 @@ waits at generation g's door (every member of g arrives before the group is form
 ``formed/<g>/<member>`` that it went through; a member that died before it arrived leaves the
 others at the door, where the agent counts them as asking for the next generation. ``pg/<g>/``
 holds generation g's process-group keys, so a new group never reads a dead generation's
-addresses.
+addresses. ``leaving`` (on the worker's own agent's store) says its host was removed from the
+job: a member the next generation leaves out then leaves it (exit 0), evicted by nobody.
 
 Member ids are the agent's, never reused: a worker started later (a replacement) gets a new
 one, and ranks are positions in a generation's member list.
@@ -67,6 +68,10 @@ workers, never reusing an id, and no two hosts can give out the same one."""
 def host_of(member: int) -> int:
     """The index of the host whose agent started ``member``."""
     return member // MEMBER_STRIDE
+
+
+LEAVING_KEY = "leaving"
+"""Set by a removed host's agent (`HostAgent.leave`) on its own store."""
 
 
 def gen_key(g: int) -> str:
@@ -199,6 +204,20 @@ class FormationStore(Store):
         return self.inner.num_keys()
 
 
+def _first_group_name() -> None:
+    """Names the group about to be formed "0", as in every member that never tried another.
+    torch names a default group from a counter (`_world.group_count`) that it bumps before the
+    group is built and resets only at `destroy_process_group()`, and a group's store keys start
+    with its name. A formation superseded inside `init_process_group` (a newer generation
+    published while the group was forming) has bumped it already: that member's next group was
+    "1" while the others' was "0", and each side waited for the other's keys until the store's
+    timeout (seen across hosts: a host removed during a fault). No group exists at this
+    point (the last one was destroyed), so none is renamed."""
+    world = getattr(c10d, "_world", None)
+    if world is not None and hasattr(world, "group_count") and not dist.is_initialized():
+        world.group_count = 0
+
+
 class Fenced(Exception):
     """This worker is not in the newest generation: the others went on without it."""
 
@@ -306,6 +325,11 @@ class Membership:
         return newest > self.generation and self.me not in json.loads(
             self.store.get(gen_key(newest)))
 
+    def host_leaving(self) -> bool:
+        """This worker's host was removed from the job: a generation that leaves it out is
+        its leave, not an eviction (after a fault, its members ask with the others)."""
+        return bool(self.store.check([LEAVING_KEY]))
+
     def changed(self) -> bool:
         """A newer generation than this worker's is published (a member joins or left)."""
         return self.newest() != self.generation
@@ -355,6 +379,7 @@ class Membership:
                 reconfigure.form(store, self.rank, len(self.members), g, self.backend,
                                  pg_timeout, self.gen_port)
                 return True
+            _first_group_name()
             dist.init_process_group(self.backend, store=store, rank=self.rank,
                                     world_size=len(self.members),
                                     timeout=form if set_timeout else pg_timeout)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from hvd_resilient.backends.inplace.membership import (
     AGENT_ENV,
+    LEAVING_KEY,
     MEMBER_ENV,
     MEMBER_STRIDE,
     PREFIX,
@@ -241,6 +242,7 @@ class HostAgent:
         if self.leaving:
             return
         self.leaving = True
+        self.store.set(LEAVING_KEY, "1")  # its members left out after a fault leave too
         logger.warning("this host is removed from the job: its members leave at the others' "
                        "next commit")
         self._end_non_members("this host is removed")
